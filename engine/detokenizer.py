@@ -1,0 +1,77 @@
+"""Incremental detokenization and stop-string matching.
+
+Decodes a short window of tokens each time (prefix/read offsets, as in HF's TextStreamer and
+vLLM): the text is emitted only once it no longer ends in U+FFFD, so a multi-byte character
+split across tokens is never streamed half-done. Stop strings are matched on the output text;
+`streamable_text` holds back enough characters that a stop string can still be cut cleanly.
+"""
+
+from __future__ import annotations
+
+INITIAL_CONTEXT = 5  # prompt tokens decoded with the first output token (leading spaces)
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool,
+        stop: list[str],
+        include_stop_str_in_output: bool,
+    ):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids = list(prompt_token_ids[-INITIAL_CONTEXT:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+        self.stop = stop
+        self.include_stop = include_stop_str_in_output
+        self.hold_back = max((len(s) for s in stop), default=1) - 1
+        self.num_visible = 0  # characters already shown to the caller
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add_token(self, token_id: int) -> str | None:
+        """Append a token; returns the stop string if the output now contains one (the text is
+        then cut there), else None."""
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return None
+        new_text = full[len(prefix) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        search_from = max(0, len(self.text) - max((len(s) for s in self.stop), default=0))
+        self.text += new_text
+        return self._check_stop(search_from)
+
+    def _check_stop(self, search_from: int) -> str | None:
+        best = None
+        for s in self.stop:
+            at = self.text.find(s, search_from)
+            if at != -1 and (best is None or at < best[0]):
+                best = (at, s)
+        if best is None:
+            return None
+        at, s = best
+        self.text = self.text[: at + len(s)] if self.include_stop else self.text[:at]
+        return s
+
+    def flush(self) -> None:
+        """At finish: emit whatever is still held back, even a dangling partial character."""
+        if self.read_offset < len(self.ids):
+            prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+            full = self._decode(self.ids[self.prefix_offset :])
+            self.text += full[len(prefix) :]
+            self.read_offset = len(self.ids)
+
+    def visible_text(self, finished: bool) -> str:
+        """Text safe to show: all of it when finished, else minus the stop-string hold-back.
+        It only ever grows: a stop string can only cut inside the held-back tail."""
+        if finished or not self.stop:
+            return self.text
+        self.num_visible = max(self.num_visible, len(self.text) - self.hold_back)
+        return self.text[: self.num_visible]

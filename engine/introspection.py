@@ -1,0 +1,64 @@
+"""A plain-dict snapshot of the engine's memory and scheduling state (playground, metrics)."""
+
+from __future__ import annotations
+
+
+def kv_utilization(engine) -> tuple[int, int]:
+    """(tokens stored, slots allocated) over used blocks; a shared block counts once."""
+    bs = engine.kv.block_size
+    filled: dict[int, int] = {}
+    for request, table in engine.kv.block_tables.items():
+        for i, block in enumerate(table):
+            n = min(bs, max(0, request.num_computed_tokens - i * bs))
+            filled[block] = max(filled.get(block, 0), n)
+    return sum(filled.values()), len(filled) * bs
+
+
+def snapshot(engine) -> dict:
+    kv, pool, sched = engine.kv, engine.kv.pool, engine.scheduler
+    requests = []
+    for request, table in kv.block_tables.items():
+        requests.append(
+            {
+                "request_id": request.request_id,
+                "index": request.index,
+                "status": request.status.name,
+                "num_tokens": request.num_tokens,
+                "num_computed_tokens": request.num_computed_tokens,
+                "num_cached_tokens": max(0, request.num_cached_tokens),
+                "block_table": list(table),
+            }
+        )
+    blocks = {
+        b: {
+            "ref_count": pool.ref_counts[b],
+            "hash": pool.block_hashes[b].hex()[:16] if pool.block_hashes[b] else None,
+        }
+        for b in range(1, pool.num_blocks)
+        if pool.ref_counts[b] > 0 or pool.block_hashes[b] is not None
+    }
+    stored, allocated = kv_utilization(engine)
+    num_cached_free = pool.num_cached_free
+    return {
+        "block_size": kv.block_size,
+        "num_blocks": pool.num_usable,
+        "num_free_blocks": pool.num_free,
+        "num_cached_free_blocks": num_cached_free,
+        "num_used_blocks": pool.num_usable - pool.num_free,
+        "requests": requests,
+        "blocks": blocks,
+        "prefix_cache": {
+            "query_tokens": kv.num_query_tokens,
+            "hit_tokens": kv.num_hit_tokens,
+            "hit_rate": kv.num_hit_tokens / kv.num_query_tokens if kv.num_query_tokens else 0.0,
+            "evictions": pool.num_evictions,
+        },
+        "num_waiting": len(sched.waiting),
+        "num_running": len(sched.running),
+        "num_preemptions": sched.num_preemptions,
+        "kv_tokens_stored": stored,
+        "kv_slots_allocated": allocated,
+        "kv_utilization": stored / allocated if allocated else 1.0,
+        "num_steps": engine.num_steps,
+        "num_generated_tokens": engine.num_generated_tokens,
+    }

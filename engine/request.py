@@ -1,0 +1,100 @@
+"""Engine-side request state. One `Request` per generated sequence (n > 1 makes n of them)."""
+
+from __future__ import annotations
+
+import time
+from enum import IntEnum
+
+import torch
+
+from engine.block_pool import hash_block
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FORK_PENDING = 3  # n > 1 sibling waiting for its leader's prompt to be computed
+    FINISHED_STOPPED = 10
+    FINISHED_LENGTH = 11
+    FINISHED_ABORTED = 12
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: set[int],
+        max_model_len: int,
+        index: int = 0,
+        cache_extra_keys: bytes = b"",
+        block_size: int = 16,
+    ):
+        self.request_id = request_id
+        self.index = index  # position among the n completions of its group
+        self.params = params
+        self.prompt_token_ids = prompt_token_ids
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)  # prompt + output
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.status = RequestStatus.WAITING
+        self.eos_token_ids = set() if params.ignore_eos else eos_token_ids
+        budget = max_model_len - self.num_prompt_tokens
+        self.max_output_tokens = min(params.max_tokens or budget, budget)
+        self.stop_reason: int | str | None = None
+        self.arrival_time = time.monotonic()
+        self.num_preemptions = 0
+        self.num_cached_tokens = -1  # prefix-cache hit on first schedule; -1 = not yet
+        self.cache_extra_keys = cache_extra_keys
+        self.block_size = block_size
+        self.block_hashes: list[bytes] = []
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed + 1_000_003 * index)
+        self.logprobs: list = []  # per output token, when params.logprobs is set
+        self.prompt_logprobs: list = []  # per prompt position, when params.prompt_logprobs is set
+        self.cumulative_logprob = 0.0
+        self.siblings: list[Request] = []  # n > 1: requests forked from this leader
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def full_block_hashes(self) -> list[bytes]:
+        """Chained hashes of every full block of tokens, extended incrementally."""
+        bs = self.block_size
+        while (len(self.block_hashes) + 1) * bs <= len(self.token_ids):
+            i = len(self.block_hashes)
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            tokens = self.token_ids[i * bs : (i + 1) * bs]
+            self.block_hashes.append(hash_block(parent, tokens, self.cache_extra_keys))
+        return self.block_hashes

@@ -1,0 +1,144 @@
+"""Logits pipeline and sampling, vectorised over the batch.
+
+`process_logits` turns raw logits into the distribution each request samples from (logit bias,
+min_tokens, penalties, temperature, top-k, top-p, min-p, in that order, HF's warper order);
+`sample` draws from it. The speculative verifier reuses `process_logits` unchanged, so what it
+verifies against is exactly what the sampler would have sampled from.
+
+Random draws use the exponential race (argmax of p / E with E ~ Exp(1)), which samples
+categorically and lets a seeded request draw from its own generator wherever it sits in the
+batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.request import Request
+
+NEG_INF = float("-inf")
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    requests: list[Request]
+    temperature: torch.Tensor  # [M]; 1.0 on greedy rows
+    is_greedy: torch.Tensor  # [M] bool
+    all_greedy: bool
+    top_k: torch.Tensor | None  # [M] int64, vocab size where disabled
+    top_p: torch.Tensor | None  # [M]
+    min_p: torch.Tensor | None  # [M]
+
+    @classmethod
+    def from_requests(cls, requests: list[Request], vocab_size: int) -> SamplingBatch:
+        params = [r.params for r in requests]
+        greedy = [p.is_greedy for p in params]
+        temps = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
+        top_k = top_p = min_p = None
+        if any(p.top_k for p in params):
+            top_k = torch.tensor([p.top_k or vocab_size for p in params])
+        if any(p.top_p < 1.0 for p in params):
+            top_p = torch.tensor([p.top_p for p in params])
+        if any(p.min_p > 0.0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params])
+        return cls(
+            requests=requests,
+            temperature=torch.tensor(temps),
+            is_greedy=torch.tensor(greedy),
+            all_greedy=all(greedy),
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+        )
+
+
+def apply_logit_bias_and_bans(logits: torch.Tensor, requests: list[Request]) -> None:
+    for row, r in enumerate(requests):
+        p = r.params
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias.keys()))
+            logits[row].index_add_(0, ids, torch.tensor(list(p.logit_bias.values())))
+        if r.num_output_tokens < p.min_tokens:
+            banned = list(r.eos_token_ids) + list(p.stop_token_ids)
+            if banned:
+                logits[row, banned] = NEG_INF
+
+
+def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
+    """Repetition (HF: over prompt + output), presence and frequency (OpenAI: output only)."""
+    for row, r in enumerate(requests):
+        p = r.params
+        if not p.has_penalties:
+            continue
+        row_logits = logits[row]
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(r.token_ids)))
+            vals = row_logits[seen]
+            vals = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            row_logits[seen] = vals
+        if (p.presence_penalty or p.frequency_penalty) and r.num_output_tokens:
+            out_ids = torch.tensor(r.output_token_ids)
+            counts = torch.zeros_like(row_logits).index_add_(0, out_ids, torch.ones(len(out_ids)))
+            row_logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+
+
+def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """[M, V] raw logits -> [M, V] logits of the distribution to sample (-inf = excluded).
+    Greedy rows are left unscaled: their argmax is taken directly."""
+    logits = logits.clone()
+    apply_logit_bias_and_bans(logits, batch.requests)
+    apply_penalties(logits, batch.requests)
+    if batch.all_greedy:
+        return logits
+    logits.div_(batch.temperature[:, None])
+    if batch.top_k is not None:
+        kth = logits.topk(int(batch.top_k.max()), dim=-1).values  # [M, max_k]
+        cutoff = kth.gather(1, (batch.top_k.clamp(max=kth.shape[1]) - 1)[:, None])
+        logits.masked_fill_(logits < cutoff, NEG_INF)
+    if batch.top_p is not None:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        # Drop a token when the mass strictly before it already reaches top_p; keep >= 1.
+        drop_sorted = (cum - sorted_logits.softmax(-1)) >= batch.top_p[:, None]
+        drop_sorted[:, 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+        logits.masked_fill_(drop, NEG_INF)
+    if batch.min_p is not None:
+        probs = logits.softmax(-1)
+        threshold = batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits.masked_fill_(probs < threshold, NEG_INF)
+    return logits
+
+
+def sample(
+    processed: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None
+) -> torch.Tensor:  # [M] int64
+    greedy_tokens = processed.argmax(dim=-1)
+    if batch.all_greedy:
+        return greedy_tokens
+    probs = processed.softmax(dim=-1)
+    noise = torch.empty_like(probs)
+    unseeded = [i for i, r in enumerate(batch.requests) if r.generator is None]
+    if unseeded:
+        noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(
+            generator=generator
+        )
+    for i, r in enumerate(batch.requests):
+        if r.generator is not None:
+            noise[i].exponential_(generator=r.generator)
+    random_tokens = (probs / noise).argmax(dim=-1)
+    return torch.where(batch.is_greedy, greedy_tokens, random_tokens)
+
+
+def top_logprobs(
+    logprobs: torch.Tensor,  # [M, V] log-softmax of the raw logits
+    token_ids: torch.Tensor,  # [M] the token each row emitted
+    num_top: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(chosen logprob [M], chosen rank [M], top values [M, n], top ids [M, n])."""
+    chosen = logprobs.gather(1, token_ids[:, None])[:, 0]
+    rank = (logprobs > chosen[:, None]).sum(-1) + 1
+    values, ids = logprobs.topk(num_top, dim=-1)
+    return chosen, rank, values, ids

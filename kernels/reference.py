@@ -1,0 +1,91 @@
+"""Paged attention in plain PyTorch: the CPU path and the oracle for the Triton kernels.
+
+Cache layout, per layer and for K and V alike: [num_kv_heads, num_blocks, block_size, head_dim].
+Head-major so that gathering a request's blocks along dim 1 yields [num_kv_heads, seq_len,
+head_dim] with no further permute: the gathered copy feeds batched matmuls directly. A slot is
+`block_id * block_size + offset`; block 0 is the null block that pads block tables.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv(
+    k_cache: torch.Tensor,  # [Hkv, num_blocks, block_size, D]
+    v_cache: torch.Tensor,  # [Hkv, num_blocks, block_size, D]
+    k: torch.Tensor,  # [num_tokens, Hkv, D]
+    v: torch.Tensor,  # [num_tokens, Hkv, D]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> None:
+    num_kv_heads, _, _, head_dim = k_cache.shape
+    k_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
+    v_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
+
+
+def decode_attention(
+    q: torch.Tensor,  # [B, Hq, D], one query token per request
+    k_cache: torch.Tensor,  # [Hkv, num_blocks, block_size, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int64, padded with the null block 0
+    key_bias: torch.Tensor,  # [B, max_blocks * block_size] float, 0 for visible keys, -inf else
+    scale: float,
+) -> torch.Tensor:  # [B, Hq, D]
+    num_reqs, num_heads, head_dim = q.shape
+    num_kv_heads, _, block_size, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    max_len = block_tables.shape[1] * block_size
+    flat_blocks = block_tables.reshape(-1)
+    # Gathered copies: [Hkv, B, max_len, D] -> batch (Hkv * B) of [max_len, D].
+    k = k_cache.index_select(1, flat_blocks).view(num_kv_heads * num_reqs, max_len, head_dim)
+    v = v_cache.index_select(1, flat_blocks).view(num_kv_heads * num_reqs, max_len, head_dim)
+    # q as [Hkv * B, D, group]: the scores come out [Hkv * B, max_len, group], so K is read in
+    # its natural layout (no transposed copy of the large operand).
+    q_t = q.view(num_reqs, num_kv_heads, group, head_dim).permute(1, 0, 3, 2)
+    q_t = q_t.reshape(num_kv_heads * num_reqs, head_dim, group) * scale
+    scores = torch.bmm(k, q_t).view(num_kv_heads, num_reqs, max_len, group)
+    scores = scores + key_bias[None, :, :, None]
+    probs = scores.softmax(dim=2).view(num_kv_heads * num_reqs, max_len, group)
+    out = torch.bmm(probs.transpose(1, 2), v)  # [Hkv * B, group, D]
+    return (
+        out.view(num_kv_heads, num_reqs, group, head_dim)
+        .transpose(0, 1)
+        .reshape(num_reqs, num_heads, head_dim)
+    )
+
+
+def prefill_attention(
+    q: torch.Tensor,  # [T, Hq, D], the request's new query tokens
+    k_cache: torch.Tensor,  # [Hkv, num_blocks, block_size, D]
+    v_cache: torch.Tensor,
+    block_ids: torch.Tensor,  # [num_blocks_of_request] int64
+    seq_len: int,  # tokens with KV in the cache after this step (context + T)
+    mask: torch.Tensor,  # [T, seq_len] bool, True where a query may see a key
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[0]
+    k = k_cache.index_select(1, block_ids).view(num_kv_heads, -1, head_dim)[:, :seq_len]
+    v = v_cache.index_select(1, block_ids).view(num_kv_heads, -1, head_dim)[:, :seq_len]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),  # [1, Hq, T, D]
+        k.unsqueeze(0),
+        v.unsqueeze(0),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )
+    return out[0].transpose(0, 1)
+
+
+def causal_mask(
+    context_len: int, num_tokens: int, sliding_window: int | None = None
+) -> torch.Tensor:  # [num_tokens, context_len + num_tokens] bool
+    """Query i (absolute position context_len + i) sees keys at positions <= its own."""
+    q_pos = torch.arange(context_len, context_len + num_tokens)[:, None]
+    k_pos = torch.arange(context_len + num_tokens)[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    return mask

