@@ -57,7 +57,7 @@ def _fused_state(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, tor
         "norm.weight": hf.pop("norm.weight"),
     }
     if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = hf.pop("lm_head.weight")
+        out["lm_head_weight"] = hf.pop("lm_head.weight")
     hf.pop("lm_head.weight", None)
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
@@ -75,6 +75,8 @@ def _fused_state(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, tor
             out[p + "down_proj.bias"] = hf.pop(mlp + "down_proj.bias")
         for norm in ("input_layernorm", "post_attention_layernorm"):
             out[p + norm + ".weight"] = hf.pop(p + norm + ".weight")
+    for name in [k for k in out if k.endswith("proj.weight")]:
+        out[name.removesuffix("weight") + "weight_t"] = out.pop(name).t().contiguous()
     leftover = [k for k in hf if not k.endswith("rotary_emb.inv_freq")]
     if leftover:
         raise ValueError(f"unexpected weights in checkpoint: {leftover[:5]}")
@@ -92,7 +94,7 @@ def load_model(path: str | Path, max_len: int | None = None):
     model = LlamaForCausalLM(cfg, inv_freq, scaling, max_len or cfg.max_position_embeddings)
     state = _fused_state(cfg, _load_state(path))
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
+    missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head_weight")]
     if missing or unexpected:
         raise ValueError(
             f"weights do not match the model: missing={missing} unexpected={unexpected}"
