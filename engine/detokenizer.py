@@ -34,9 +34,9 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def add_token(self, token_id: int) -> str | None:
+    def add_token(self, token_id: int, check_stop: bool = True) -> str | None:
         """Append a token; returns the stop string if the output now contains one (the text is
-        then cut there), else None."""
+        then cut there), else None. check_stop=False (before min_tokens) only extends text."""
         self.ids.append(token_id)
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
@@ -44,6 +44,9 @@ class IncrementalDetokenizer:
             return None
         new_text = full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        if not check_stop:
+            self.text += new_text
+            return None
         search_from = max(0, len(self.text) - max((len(s) for s in self.stop), default=0))
         self.text += new_text
         return self._check_stop(search_from)

@@ -188,12 +188,13 @@ class LLMEngine:
         detok = group.detokenizers[request.index]
         p = request.params
         status = None
-        if request.num_output_tokens >= p.min_tokens:
+        may_stop = request.num_output_tokens > p.min_tokens  # vLLM: stops count after min_tokens
+        if may_stop:
             if token in p.stop_token_ids:
                 status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
             elif token in request.eos_token_ids:
                 status = RequestStatus.FINISHED_STOPPED
-        if status is None and (stop := detok.add_token(token)) is not None:
+        if status is None and (stop := detok.add_token(token, may_stop)) is not None:
             status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
         if status is None and request.num_output_tokens >= request.max_output_tokens:
             status = RequestStatus.FINISHED_LENGTH

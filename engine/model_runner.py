@@ -26,6 +26,14 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype=torch.float32) -
     return cfg.num_layers * 2 * cfg.num_kv_heads * block_size * cfg.head_dim * elem
 
 
+def logprob_entry(token: int, chosen, rank, values, ids, num_top: int) -> RawLogprobs:
+    """The chosen token's (logprob, rank) plus the top num_top, for one position."""
+    entry = {token: (float(chosen), int(rank))}
+    for k in range(num_top):
+        entry.setdefault(int(ids[k]), (float(values[k]), k + 1))
+    return entry
+
+
 @dataclass
 class StepResult:
     sampled: list[tuple[Request, int]] = field(default_factory=list)  # (request, token id)
@@ -109,10 +117,9 @@ class ModelRunner:
             chosen, rank, values, ids = top_logprobs(lp, tokens[idx], num_top)
             for j, i in enumerate(want):
                 n = row_requests[i].params.logprobs
-                entry = {int(tokens[i]): (float(chosen[j]), int(rank[j]))}
-                for k in range(n):
-                    entry.setdefault(int(ids[j, k]), (float(values[j, k]), k + 1))
-                result.logprobs[row_requests[i]] = entry
+                result.logprobs[row_requests[i]] = logprob_entry(
+                    int(tokens[i]), chosen[j], rank[j], values[j], ids[j], n
+                )
         result.sampled = list(zip(row_requests, tokens.tolist(), strict=True))
 
     def _prompt_logprobs(self, hidden, requests, num_new, result: StepResult) -> None:
@@ -121,20 +128,21 @@ class ModelRunner:
             num_top = request.params.prompt_logprobs
             start = request.num_computed_tokens
             rows_end = start_row + n
-            if num_top is not None and start < request.num_prompt_tokens:
+            # After a preemption the prompt is recomputed: skip positions already recorded.
+            first = max(start, len(request.prompt_logprobs))
+            if num_top is not None and first < request.num_prompt_tokens:
                 # Position p predicts prompt token p + 1; the last prompt position predicts
                 # the first output token, which is not a prompt logprob.
                 last = min(start + n, request.num_prompt_tokens - 1)
-                if last > start:
-                    h = hidden[start_row : start_row + last - start]
+                if last > first:
+                    h = hidden[start_row + first - start : start_row + last - start]
                     lp = torch.log_softmax(self.model.compute_logits(h), dim=-1)
-                    targets = torch.tensor(request.token_ids[start + 1 : last + 1])
+                    targets = torch.tensor(request.token_ids[first + 1 : last + 1])
                     chosen, rank, values, ids = top_logprobs(lp, targets, num_top)
-                    entries = []
-                    for j in range(last - start):
-                        entry = {int(targets[j]): (float(chosen[j]), int(rank[j]))}
-                        for k in range(num_top):
-                            entry.setdefault(int(ids[j, k]), (float(values[j, k]), k + 1))
-                        entries.append(entry)
-                    result.prompt_logprobs[request] = entries
+                    result.prompt_logprobs[request] = [
+                        logprob_entry(
+                            int(targets[j]), chosen[j], rank[j], values[j], ids[j], num_top
+                        )
+                        for j in range(last - first)
+                    ]
             start_row = rows_end

@@ -38,7 +38,7 @@ class SamplingBatch:
         temps = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
         top_k = top_p = min_p = None
         if any(p.top_k for p in params):
-            top_k = torch.tensor([p.top_k or vocab_size for p in params])
+            top_k = torch.tensor([min(p.top_k or vocab_size, vocab_size) for p in params])
         if any(p.top_p < 1.0 for p in params):
             top_p = torch.tensor([p.top_p for p in params])
         if any(p.min_p > 0.0 for p in params):

@@ -31,6 +31,10 @@ class SamplingParams:
     extra: dict = field(default_factory=dict)  # room for later features
 
     def __post_init__(self) -> None:
+        for name in ("stop", "stop_token_ids"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str | list | tuple):
+                raise ValueError(f"{name} must be a list (or None), got {v!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -81,10 +85,11 @@ class SamplingParams:
                 raise bad("logit_bias", self.logit_bias, "must be a dict {token_id: bias}")
             fixed = {}
             for k, v in self.logit_bias.items():
-                try:
-                    tid = int(k)
-                except (TypeError, ValueError):
-                    raise bad("logit_bias", k, "keys must be token ids") from None
+                if isinstance(k, str) and k.isdigit():
+                    k = int(k)
+                if not is_int(k):
+                    raise bad("logit_bias", k, "keys must be integer token ids")
+                tid = k
                 if tid < 0:
                     raise bad("logit_bias", k, "keys must be non-negative token ids")
                 if not isinstance(v, int | float) or not -100.0 <= v <= 100.0:
