@@ -1,0 +1,213 @@
+"""Prefix caching through the real engine on a tiny random model: exact hit counts, identical
+outputs with and without hits, cache_salt isolation, LRU eviction, process-stable hashes."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+import engine.block_pool
+from engine import LLM, SamplingParams
+from engine.request import Request
+from models import make_tiny_model
+
+BS = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+_request_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny-prefix"), "llama"))
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
+
+
+def run(llm: LLM, prompt: list[int], params=GREEDY, cache_salt: str | None = None):
+    """One request through the engine; returns its final RequestOutput and the hit delta."""
+    eng = llm.engine
+    before = eng.snapshot()["prefix_cache"]
+    eng.add_request(f"req-{next(_request_ids)}", prompt, params, cache_salt=cache_salt)
+    final = None
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                final = out
+    after = eng.snapshot()["prefix_cache"]
+    assert after["query_tokens"] - before["query_tokens"] == len(prompt)
+    return final, after["hit_tokens"] - before["hit_tokens"]
+
+
+def ids(out) -> list[list[int]]:
+    return [c.token_ids for c in out.outputs]
+
+
+def assert_idle(llm: LLM) -> None:
+    snap = llm.engine.snapshot()
+    assert snap["num_free_blocks"] == snap["num_blocks"] and snap["num_used_blocks"] == 0
+    assert snap["requests"] == [] and snap["num_running"] == snap["num_waiting"] == 0
+    assert all(b["ref_count"] == 0 for b in snap["blocks"].values())
+    pool = llm.engine.kv.pool
+    assert pool.num_free == pool.num_usable and not any(pool.ref_counts)
+
+
+def cached_blocks(llm: LLM, prompt: list[int], salt: bytes = b"") -> list[bool]:
+    """For each full block of the prompt: is its chained hash in the prefix cache?"""
+    req = Request("probe", prompt, SamplingParams(), set(), 10_000, 0, salt, BS)
+    return [llm.engine.kv.pool.lookup(h) is not None for h in req.full_block_hashes()]
+
+
+@pytest.mark.parametrize(
+    ("prompt_len", "num_hit"),
+    [(3 * BS + 5, 3 * BS), (2 * BS, BS), (BS + 1, BS), (BS, 0), (5, 0)],
+)
+def test_exact_hit_counts(model_dir, prompt_len, num_hit):
+    llm = LLM(model_dir, num_kv_blocks=32, block_size=BS)
+    prompt = tokens(prompt_len, seed=prompt_len)
+    first, hit = run(llm, prompt)
+    assert hit == 0 and first.num_cached_tokens == 0
+    # The last prompt token is always recomputed (its logits are needed): an exact multiple of
+    # the block size gives one block fewer.
+    second, hit = run(llm, prompt)
+    assert hit == num_hit and second.num_cached_tokens == num_hit
+    assert second.metrics.num_cached_tokens == num_hit
+    assert ids(second) == ids(first)
+    snap = llm.engine.snapshot()["prefix_cache"]
+    assert snap["hit_tokens"] == num_hit and snap["query_tokens"] == 2 * prompt_len
+    assert_idle(llm)
+
+
+def test_hits_follow_the_chain_not_the_block_content(model_dir):
+    llm = LLM(model_dir, num_kv_blocks=32, block_size=BS)
+    prompt = tokens(3 * BS + 5, seed=1)
+    run(llm, prompt)
+    _, hit = run(llm, prompt[: 2 * BS + 8] + tokens(20, seed=2))
+    assert hit == 2 * BS  # shares two full blocks, then diverges
+    # Block 1's tokens at position 0 (and again at 1): same content, different parent hash.
+    _, hit = run(llm, prompt[BS : 2 * BS] * 2 + [1])
+    assert hit == 0
+    assert_idle(llm)
+
+
+@pytest.mark.parametrize("max_num_batched_tokens", [1024, 7])
+def test_outputs_identical_with_and_without_hits(model_dir, max_num_batched_tokens):
+    base = tokens(2 * BS + 3, seed=3)
+    prompts = [base + tokens(n, seed=10 + n) for n in (0, 1, 9, 30)] + [base[:20]]
+    args = dict(num_kv_blocks=48, block_size=BS, max_num_batched_tokens=max_num_batched_tokens)
+    plain = LLM(model_dir, enable_prefix_caching=False, **args)
+    expected = [ids(o) for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
+    llm = LLM(model_dir, **args)
+    cold = llm.generate(prompts, GREEDY, use_tqdm=False)
+    warm = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [ids(o) for o in cold] == [ids(o) for o in warm] == expected
+    assert all(o.num_cached_tokens > 0 for o in warm)
+    # n > 1 shares the prompt's blocks across siblings (copy-on-write at the first append).
+    params = SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True)
+    twins = llm.generate(prompts, params, use_tqdm=False)
+    assert [ids(o) for o in twins] == [e * 2 for e in expected]
+    assert_idle(plain)
+    assert_idle(llm)
+
+
+def test_cache_salt_isolates(model_dir):
+    llm = LLM(model_dir, num_kv_blocks=32, block_size=BS)
+    prompt = tokens(3 * BS + 5, seed=4)
+    plain, _ = run(llm, prompt)
+    out, hit = run(llm, prompt, cache_salt="alice")
+    assert hit == 0 and out.num_cached_tokens == 0 and ids(out) == ids(plain)
+    out, hit = run(llm, prompt, cache_salt="bob")
+    assert hit == 0 and out.num_cached_tokens == 0
+    out, hit = run(llm, prompt, cache_salt="alice")
+    assert hit == 3 * BS and out.num_cached_tokens == 3 * BS and ids(out) == ids(plain)
+    out, hit = run(llm, prompt)
+    assert hit == 3 * BS
+    assert cached_blocks(llm, prompt, b"alice") == cached_blocks(llm, prompt) == [True] * 3
+    assert cached_blocks(llm, prompt, b"carol") == [False] * 3
+    assert_idle(llm)
+
+
+@pytest.mark.parametrize("reuse_a", [False, True])
+def test_lru_evicts_least_recently_freed_prefix(model_dir, reuse_a):
+    # 6 usable blocks: each 33-token prompt holds 3 (2 full, cached) while it runs.
+    llm = LLM(model_dir, num_kv_blocks=7, block_size=BS)
+    a, b, c = (tokens(2 * BS + 1, seed=s) for s in (5, 6, 7))
+    run(llm, a, ONE_TOKEN)
+    run(llm, b, ONE_TOKEN)
+    if reuse_a:  # a hit makes A the most recently freed prefix
+        _, hit = run(llm, a, ONE_TOKEN)
+        assert hit == 2 * BS
+    assert cached_blocks(llm, a) == cached_blocks(llm, b) == [True, True]
+    run(llm, c, ONE_TOKEN)  # needs 3 blocks: evicts the older prefix, all of it
+    older, newer = (b, a) if reuse_a else (a, b)
+    assert cached_blocks(llm, older) == [False, False]
+    assert cached_blocks(llm, newer) == [True, True]
+    assert llm.engine.snapshot()["prefix_cache"]["evictions"] == 2
+    _, hit = run(llm, newer, ONE_TOKEN)
+    assert hit == 2 * BS
+    _, hit = run(llm, older, ONE_TOKEN)
+    assert hit == 0
+    assert_idle(llm)
+
+
+def test_eviction_takes_a_prefix_tail_first(model_dir):
+    # 8 usable blocks. A holds 3; then 7 are needed at once: A's partial block and its second
+    # full block go, its first full block stays (a request's tail is evicted before its head).
+    llm = LLM(model_dir, num_kv_blocks=9, block_size=BS)
+    a = tokens(2 * BS + 1, seed=8)
+    run(llm, a, ONE_TOKEN)
+    outs = llm.generate(
+        [tokens(3 * BS, seed=9), tokens(4 * BS, seed=10)], ONE_TOKEN, use_tqdm=False
+    )
+    assert [o.num_cached_tokens for o in outs] == [0, 0]
+    assert cached_blocks(llm, a) == [True, False]
+    _, hit = run(llm, a, ONE_TOKEN)
+    assert hit == BS
+    assert_idle(llm)
+
+
+HASH_SCRIPT = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("block_pool", sys.argv[1])
+bp = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bp)
+token_ids, bs = json.loads(sys.argv[2]), int(sys.argv[3])
+out = []
+for salt in (b"", b"salt"):
+    parent, chain = None, []
+    for i in range(len(token_ids) // bs):
+        parent = bp.hash_block(parent, token_ids[i * bs : (i + 1) * bs], salt)
+        chain.append(parent.hex())
+    out.append(chain)
+print(json.dumps(out))
+"""
+
+
+def test_block_hashes_are_stable_across_processes():
+    token_ids = tokens(4 * BS + 3, seed=11) + [2**40, 0, 255]
+    in_process = []
+    for salt in (b"", b"salt"):
+        req = Request("r", token_ids, SamplingParams(), set(), 10_000, 0, salt, BS)
+        in_process.append([h.hex() for h in req.full_block_hashes()])
+    assert len(in_process[0]) == 4 and in_process[0] != in_process[1]
+    argv = [engine.block_pool.__file__, json.dumps(token_ids), str(BS)]
+    for seed in ("0", "12345"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        proc = subprocess.run(
+            [sys.executable, "-c", HASH_SCRIPT, *argv],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        )
+        assert json.loads(proc.stdout) == in_process, f"PYTHONHASHSEED={seed}"
