@@ -1,0 +1,625 @@
+"""Offline throughput: the Tandem engine against HF transformers on a ShareGPT-like workload.
+
+    python -m bench.throughput [--quick] [--num-requests N] [--seed S]
+    tandem bench throughput [--quick]
+
+N requests of random token-id prompts with lognormal prompt/output lengths, greedy decoding,
+EOS ignored (every request generates exactly its own output length). Modes, all on one thread:
+
+- tandem: `LLMEngine` driven with add_request/step, all requests submitted at once; the KV
+  utilization (tokens stored / slots allocated) is sampled after every step via `snapshot()`.
+- hf_seq: `model.generate` one request at a time (batch 1).
+- hf_static: `model.generate` on static batches in arrival order, left padded; every batch runs
+  to its longest output and each request keeps only its own length (only useful tokens count).
+- hf_cb: transformers' continuous batching (paged attention), one request per output length.
+
+HF ignores EOS through an unreachable eos_token_id (hf_seq, hf_static) or eos_token_id=-1
+(hf_cb); `min_new_tokens` would instead mask EOS out of the argmax and change greedy tokens.
+
+Throughput is output tokens / wall seconds (model loading and cache allocation excluded). The
+last line is machine-readable:
+    RESULT throughput_x_hf_seq=.. throughput_x_hf_static=.. throughput_x_hf_cb=.. kv_utilization=..
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "torch" not in sys.modules:  # one thread, set before torch is imported when we can
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse
+import gc
+import math
+import random
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+
+MODEL = "smollm2-135m-instruct"
+EOS_DISABLED = -1  # transformers continuous batching: no EOS token
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    out_lens: list[int]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.out_lens)
+
+
+@dataclass
+class ModeResult:
+    name: str
+    seconds: float | None = None  # wall seconds for the timed requests
+    num_requests: int = 0  # requests actually timed
+    output_tokens: int = 0  # useful generated tokens in those requests
+    prompt_tokens: int = 0
+    outputs: dict[int, list[int]] = field(default_factory=dict)  # request index -> token ids
+    error: str | None = None
+    notes: list[str] = field(default_factory=list)
+    extrapolated: bool = False  # timed a subset; tokens/s stands for the whole workload
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.seconds is not None and self.seconds > 0
+
+    @property
+    def out_tok_s(self) -> float | None:
+        return self.output_tokens / self.seconds if self.ok else None
+
+    @property
+    def total_tok_s(self) -> float | None:
+        return (self.output_tokens + self.prompt_tokens) / self.seconds if self.ok else None
+
+
+# ---- workload ----------------------------------------------------------------------------
+
+
+def _lognormal_lengths(
+    rng: random.Random, n: int, median: float, sigma: float, lo: int, hi: int
+) -> list[int]:
+    return [min(hi, max(lo, round(rng.lognormvariate(math.log(median), sigma)))) for _ in range(n)]
+
+
+def make_workload(
+    n: int,
+    seed: int,
+    vocab_size: int,
+    prompt: tuple[float, float, int, int],
+    output: tuple[float, float, int, int],
+) -> Workload:
+    """`prompt`/`output`: (median, sigma, min, max) of a clipped lognormal length distribution."""
+    rng = random.Random(seed)
+    p_lens = _lognormal_lengths(rng, n, *prompt)
+    o_lens = _lognormal_lengths(rng, n, *output)
+    prompts = [[rng.randrange(100, vocab_size - 100) for _ in range(L)] for L in p_lens]
+    return Workload(prompts, o_lens)
+
+
+# ---- modes -------------------------------------------------------------------------------
+
+
+def run_tandem(wl: Workload, args) -> tuple[ModeResult, float | None]:
+    from engine import LLM, SamplingParams
+
+    res = ModeResult("tandem")
+    llm = LLM(
+        MODEL,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=False,
+        num_threads=1,
+    )
+    eng = llm.engine
+    res.notes.append(
+        f"max_num_seqs={args.max_num_seqs} max_num_batched_tokens={args.max_num_batched_tokens} "
+        f"block_size={eng.config.block_size} kv_blocks={eng.kv.pool.num_usable} "
+        "prefix_caching=off"
+    )
+    # Warm-up (one-time lazy initialisation in torch), not timed.
+    llm.generate(
+        [wl.prompts[0][:16]],
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+        use_tqdm=False,
+    )
+    params = [SamplingParams(temperature=0, max_tokens=L, ignore_eos=True) for L in wl.out_lens]
+    stored = allocated = 0
+    snap_s = 0.0
+    steps = prefill_steps = 0
+    max_running = 0
+    preempt0 = eng.scheduler.num_preemptions
+    step_s = {"mixed": 0.0, "decode": 0.0}
+    finals = {}
+    t0 = time.perf_counter()
+    for i, (prompt, p) in enumerate(zip(wl.prompts, params, strict=True)):
+        eng.add_request(f"bench-{i}", prompt, p)
+    while eng.has_unfinished_requests():
+        ts = time.perf_counter()
+        # A step is "mixed" when some request has more than one token to compute (prefill).
+        sched = eng.scheduler
+        mixed = bool(sched.waiting) or any(
+            r.num_tokens - r.num_computed_tokens > 1 for r in sched.running
+        )
+        for out in eng.step():
+            if out.finished:
+                finals[out.request_id] = out
+        te = time.perf_counter()
+        step_s["mixed" if mixed else "decode"] += te - ts
+        prefill_steps += mixed
+        steps += 1
+        snap = eng.snapshot()  # sampled every step, its cost is excluded from the timing
+        stored += snap["kv_tokens_stored"]
+        allocated += snap["kv_slots_allocated"]
+        max_running = max(max_running, snap["num_running"])
+        snap_s += time.perf_counter() - te
+    wall = time.perf_counter() - t0 - snap_s
+    for i in range(len(wl.prompts)):
+        res.outputs[i] = list(finals[f"bench-{i}"].outputs[0].token_ids)
+    res.seconds = wall
+    res.num_requests = len(wl.prompts)
+    res.output_tokens = sum(len(t) for t in res.outputs.values())
+    res.prompt_tokens = wl.num_prompt_tokens
+    if res.output_tokens != wl.num_output_tokens:
+        res.notes.append(f"WARNING: generated {res.output_tokens}, wanted {wl.num_output_tokens}")
+    kv_util = stored / allocated if allocated else None
+    res.notes.append(
+        f"{steps} steps ({prefill_steps} with prefill: {step_s['mixed']:.1f}s, "
+        f"{steps - prefill_steps} decode-only: {step_s['decode']:.1f}s), "
+        f"max running {max_running}, preemptions {eng.scheduler.num_preemptions - preempt0}, "
+        f"snapshot overhead {snap_s:.2f}s (excluded)"
+    )
+    del llm, eng
+    gc.collect()
+    return res, kv_util
+
+
+def load_hf_model():
+    from transformers import AutoModelForCausalLM
+
+    from engine.models.registry import resolve_model
+
+    path = resolve_model(MODEL)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    return model
+
+
+def _unreachable_eos(model) -> int:
+    """An EOS id the model can never emit: `generate` then runs exactly max_new_tokens and, unlike
+    min_new_tokens, never masks the real EOS out of the argmax (the engine's ignore_eos). The
+    attention mask is always passed explicitly, so HF does not infer one from pad != eos."""
+    return int(model.config.vocab_size)
+
+
+def _eos_id(model) -> int:
+    eos = model.generation_config.eos_token_id
+    if isinstance(eos, list):
+        eos = eos[0]
+    return int(eos if eos is not None else model.config.eos_token_id)
+
+
+@torch.inference_mode()
+def run_hf_seq(model, wl: Workload, limit: int | None) -> ModeResult:
+    res = ModeResult("hf_seq")
+    eos = _eos_id(model)
+
+    def gen(prompt: list[int], n: int) -> list[int]:
+        ids = torch.tensor([prompt])
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=n,
+            eos_token_id=_unreachable_eos(model),
+            pad_token_id=eos,
+        )
+        return out[0, len(prompt) :].tolist()
+
+    gen(wl.prompts[0][:16], 4)  # warm-up
+    n = len(wl.prompts) if limit is None else min(limit, len(wl.prompts))
+    t0 = time.perf_counter()
+    for i in range(n):
+        res.outputs[i] = gen(wl.prompts[i], wl.out_lens[i])
+    res.seconds = time.perf_counter() - t0
+    res.num_requests = n
+    res.output_tokens = sum(len(res.outputs[i]) for i in range(n))
+    res.prompt_tokens = sum(len(wl.prompts[i]) for i in range(n))
+    if n < len(wl.prompts):
+        res.extrapolated = True
+        res.notes.append(
+            f"timed the first {n} of {len(wl.prompts)} requests; tokens/s extrapolated to all"
+        )
+    return res
+
+
+@torch.inference_mode()
+def run_hf_static(model, wl: Workload, batch_size: int) -> ModeResult:
+    res = ModeResult("hf_static")
+    eos = _eos_id(model)
+    computed = 0
+    t0 = None
+    for warm in (True, False):
+        if not warm:
+            t0 = time.perf_counter()
+        indices = list(range(len(wl.prompts)))
+        batches = [indices[i : i + batch_size] for i in range(0, len(indices), batch_size)]
+        if warm:
+            batches = [[0, 1]]
+        for batch in batches:
+            prompts = [wl.prompts[i][:16] if warm else wl.prompts[i] for i in batch]
+            width = max(len(p) for p in prompts)
+            ids = torch.full((len(prompts), width), eos, dtype=torch.long)
+            mask = torch.zeros((len(prompts), width), dtype=torch.long)
+            for row, p in enumerate(prompts):  # left padding
+                ids[row, width - len(p) :] = torch.tensor(p)
+                mask[row, width - len(p) :] = 1
+            new = 4 if warm else max(wl.out_lens[i] for i in batch)
+            out = model.generate(
+                ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=new,
+                eos_token_id=_unreachable_eos(model),
+                pad_token_id=eos,
+            )
+            if warm:
+                continue
+            computed += len(batch) * new
+            for row, i in enumerate(batch):
+                res.outputs[i] = out[row, width : width + wl.out_lens[i]].tolist()
+    res.seconds = time.perf_counter() - t0
+    res.num_requests = len(wl.prompts)
+    res.output_tokens = sum(len(t) for t in res.outputs.values())
+    res.prompt_tokens = wl.num_prompt_tokens
+    res.notes.append(
+        f"batch {batch_size}, left padding; {computed} tokens generated, "
+        f"{res.output_tokens} useful ({res.output_tokens / computed:.0%})"
+    )
+    return res
+
+
+@torch.no_grad()  # not inference_mode: the CB thread updates its static tensors in place
+def run_hf_cb(model, wl: Workload) -> ModeResult:
+    """transformers' continuous batching. `generate_batch` takes one max_new_tokens for all
+    requests, so the manager behind it is driven directly: one `add_request` per request with its
+    own max_new_tokens and EOS disabled. Falls back to `generate_batch` with the longest length
+    (extra tokens discarded, not counted) when that API is missing."""
+    from transformers import GenerationConfig
+
+    res = ModeResult("hf_cb")
+    eos = _eos_id(model)
+    max_new = max(wl.out_lens)
+    gen_cfg = GenerationConfig(
+        do_sample=False, max_new_tokens=max_new, eos_token_id=EOS_DISABLED, pad_token_id=eos
+    )
+    try:
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+
+        hints = WorkloadHints(
+            max_prompt_length=max(len(p) for p in wl.prompts),
+            max_generated_length=max_new,
+            num_requests=len(wl.prompts),
+        )
+        t_setup = time.perf_counter()
+        manager = model.init_continuous_batching(generation_config=gen_cfg, workload_hints=hints)
+        manager.warmup()
+        manager.start()
+    except (ImportError, AttributeError, TypeError) as e:
+        res.notes.append(f"manager API unavailable ({e!r}); generate_batch, uniform length")
+        return _run_hf_cb_generate_batch(model, wl, gen_cfg, res)
+    cfg = manager.continuous_batching_config
+    setup = time.perf_counter() - t_setup
+    try:
+        # Warm-up request, not timed.
+        manager.add_request(wl.prompts[0][:16], "warm", max_new_tokens=4, eos_token_id=EOS_DISABLED)
+        _collect(manager, {"warm"})
+        t0 = time.perf_counter()
+        for i, (prompt, n) in enumerate(zip(wl.prompts, wl.out_lens, strict=True)):
+            manager.add_request(prompt, f"r{i}", max_new_tokens=n, eos_token_id=EOS_DISABLED)
+        results = _collect(manager, {f"r{i}" for i in range(len(wl.prompts))})
+        res.seconds = time.perf_counter() - t0
+    finally:
+        manager.stop(block=True)
+        manager.destroy()
+    for i in range(len(wl.prompts)):
+        res.outputs[i] = list(results[f"r{i}"].generated_tokens)
+    res.num_requests = len(wl.prompts)
+    res.output_tokens = sum(len(t) for t in res.outputs.values())
+    res.prompt_tokens = wl.num_prompt_tokens
+    res.notes.append(
+        f"per-request max_new_tokens via the generate_batch manager; attn "
+        f"{model.config._attn_implementation}, page_size={cfg.page_size} "
+        f"num_blocks={cfg.num_blocks} max_batch_tokens={cfg.max_batch_tokens} "
+        f"max_requests_per_batch={cfg.max_requests_per_batch}; "
+        f"setup+warmup {setup:.1f}s (excluded)"
+    )
+    if res.output_tokens != wl.num_output_tokens:
+        res.notes.append(f"WARNING: generated {res.output_tokens}, wanted {wl.num_output_tokens}")
+    return res
+
+
+def _collect(manager, wanted: set[str], timeout_s: float = 3600.0) -> dict:
+    results = {}
+    deadline = time.monotonic() + timeout_s
+    while len(results) < len(wanted):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"continuous batching: {len(results)}/{len(wanted)} finished")
+        r = manager.get_result(timeout=1)
+        if r is None:
+            if not manager.is_running():
+                raise RuntimeError("continuous batching thread stopped")
+            continue
+        if r.is_finished() and r.request_id in wanted:
+            if r.error is not None:
+                raise RuntimeError(f"request {r.request_id} failed: {r.error}")
+            results[r.request_id] = r
+    return results
+
+
+def _run_hf_cb_generate_batch(model, wl: Workload, gen_cfg, res: ModeResult) -> ModeResult:
+    model.generate_batch(inputs=[wl.prompts[0][:16]], generation_config=gen_cfg)  # warm-up
+    t0 = time.perf_counter()
+    out = model.generate_batch(inputs=wl.prompts, generation_config=gen_cfg)
+    res.seconds = time.perf_counter() - t0
+    for i, r in enumerate(out.values()):
+        res.outputs[i] = list(r.generated_tokens)[: wl.out_lens[i]]
+    res.num_requests = len(wl.prompts)
+    res.output_tokens = sum(len(t) for t in res.outputs.values())
+    res.prompt_tokens = wl.num_prompt_tokens
+    return res
+
+
+# ---- correctness -------------------------------------------------------------------------
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for k, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return k
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+@torch.inference_mode()
+def _margin(model, prompt: list[int], prefix: list[int]) -> tuple[float, int, int]:
+    """HF's top-1 minus top-2 logit after prompt + prefix, and the two token ids."""
+    logits = model(torch.tensor([prompt + prefix])).logits[0, -1].float()
+    top = torch.topk(logits, 2)
+    return float(top.values[0] - top.values[1]), int(top.indices[0]), int(top.indices[1])
+
+
+def compare(
+    ours: ModeResult, ref: ModeResult, wl: Workload, model=None, eos: int | None = None
+) -> list[str]:
+    common = sorted(set(ours.outputs) & set(ref.outputs))
+    if not common:
+        return []
+    lines = []
+    mismatches = []
+    for i in common:
+        k = first_divergence(ours.outputs[i], ref.outputs[i])
+        if k is not None:
+            mismatches.append((i, k))
+    lines.append(
+        f"{ours.name} vs {ref.name}: {len(common) - len(mismatches)}/{len(common)} requests "
+        "match exactly"
+    )
+    for i, k in mismatches:
+        a, b = ours.outputs[i], ref.outputs[i]
+        msg = (
+            f"  request {i}: prompt {len(wl.prompts[i])}, output {wl.out_lens[i]}, first "
+            f"divergence at output token {k}"
+        )
+        if k < len(a) and k < len(b):
+            msg += f" ({ours.name} {a[k]}, {ref.name} {b[k]})"
+            if eos is not None and a[k] == eos:
+                msg += " [EOS]"
+            if model is not None:
+                margin, t1, t2 = _margin(model, wl.prompts[i], a[:k])
+                msg += f"; HF fresh-forward top-2 {t1}/{t2}, logit margin {margin:.4f}"
+        lines.append(msg)
+    return lines
+
+
+# ---- report ------------------------------------------------------------------------------
+
+
+def _fmt(x: float | None, spec: str = ".2f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def format_table(results: list[ModeResult]) -> str:
+    ours = next((r for r in results if r.name == "tandem"), None)
+    head = "| mode | requests | seconds | out tok/s | total tok/s | tandem x |"
+    rows = [head, "|---|---|---|---|---|---|"]
+    for r in results:
+        speedup = None
+        if ours is not None and ours.ok and r.ok:
+            speedup = ours.out_tok_s / r.out_tok_s
+        reqs = str(r.num_requests) + (" (extrapolated)" if r.extrapolated else "")
+        if r.error:
+            reqs = f"n/a ({r.error})"
+        rows.append(
+            f"| {r.name} | {reqs} | {_fmt(r.seconds, '.1f')} | {_fmt(r.out_tok_s)} | "
+            f"{_fmt(r.total_tok_s)} | {_fmt(speedup, '.2f')} |"
+        )
+    return "\n".join(rows)
+
+
+def _ratio(ours: ModeResult | None, other: ModeResult | None) -> str:
+    if ours is None or other is None or not ours.ok or not other.ok:
+        return "n/a"
+    return f"{ours.out_tok_s / other.out_tok_s:.3f}"
+
+
+# ---- main --------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="bench.throughput", description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="24 shorter requests, under 5 minutes")
+    ap.add_argument("--num-requests", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-num-seqs", type=int, default=128)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    ap.add_argument("--static-batch-size", type=int, default=None, help="default 32 (quick: 16)")
+    ap.add_argument(
+        "--hf-seq-limit",
+        type=int,
+        default=None,
+        help="time only the first K requests in hf_seq and extrapolate (default: all)",
+    )
+    ap.add_argument(
+        "--modes",
+        default="tandem,hf_seq,hf_static,hf_cb",
+        help="comma-separated subset of tandem,hf_seq,hf_static,hf_cb",
+    )
+    ap.add_argument("--no-margins", action="store_true", help="skip near-tie logit margins")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = set(modes) - {"tandem", "hf_seq", "hf_static", "hf_cb"}
+    if unknown:
+        print(f"unknown modes: {sorted(unknown)}", file=sys.stderr)
+        return 2
+
+    if args.quick:
+        n = args.num_requests or 24
+        prompt_dist, output_dist = (64, 0.7, 16, 256), (28, 0.7, 8, 80)
+        static_bs = args.static_batch_size or 16
+    else:
+        n = args.num_requests or 64
+        prompt_dist, output_dist = (100, 0.8, 16, 512), (80, 0.8, 8, 256)
+        static_bs = args.static_batch_size or 32
+
+    from engine.models.registry import resolve_model
+
+    vocab = _vocab_size(resolve_model(MODEL))
+    wl = make_workload(n, args.seed, vocab, prompt_dist, output_dist)
+    print(
+        f"# throughput bench: {MODEL}, fp32, torch threads={torch.get_num_threads()}, "
+        f"torch {torch.__version__}"
+    )
+    print(f"# load average at start: {_loadavg()}")
+    print(
+        f"# workload: {n} requests, seed {args.seed}, random prompt ids in [100, {vocab - 100}), "
+        "greedy, EOS ignored"
+    )
+    for label, dist, lens in (
+        ("prompt", prompt_dist, [len(p) for p in wl.prompts]),
+        ("output", output_dist, wl.out_lens),
+    ):
+        print(
+            f"#   {label} lengths: lognormal(median {dist[0]}, sigma {dist[1]}) clipped to "
+            f"[{dist[2]}, {dist[3]}]: mean {sum(lens) / n:.1f}, median "
+            f"{sorted(lens)[n // 2]}, min {min(lens)}, max {max(lens)}, total {sum(lens)}"
+        )
+    sys.stdout.flush()
+
+    results: list[ModeResult] = []
+    kv_util = None
+    ours = None
+    if "tandem" in modes:
+        try:
+            ours, kv_util = run_tandem(wl, args)
+        except Exception as e:  # keep going: the HF modes still report
+            traceback.print_exc()
+            ours = ModeResult("tandem", error=f"{type(e).__name__}: {e}"[:120])
+        results.append(ours)
+        _print_mode(ours)
+
+    model = None
+    hf: dict[str, ModeResult] = {}
+    hf_modes = [m for m in ("hf_seq", "hf_static", "hf_cb") if m in modes]
+    if hf_modes:
+        try:
+            model = load_hf_model()
+        except Exception as e:
+            traceback.print_exc()
+            for m in hf_modes:
+                hf[m] = ModeResult(m, error=f"model load failed: {type(e).__name__}")
+    runners = {
+        "hf_seq": lambda: run_hf_seq(model, wl, args.hf_seq_limit),
+        "hf_static": lambda: run_hf_static(model, wl, static_bs),
+        "hf_cb": lambda: run_hf_cb(model, wl),
+    }
+    for m in hf_modes:
+        if m not in hf:
+            try:
+                hf[m] = runners[m]()
+            except Exception as e:
+                traceback.print_exc()
+                hf[m] = ModeResult(m, error=f"{type(e).__name__}: {e}"[:120])
+            gc.collect()
+        results.append(hf[m])
+        _print_mode(hf[m])
+
+    print(f"# load average at end: {_loadavg()}")
+    print("\n## correctness (token ids, greedy)")
+    eos = _eos_id(model) if model is not None else None
+    pairs = [("tandem", "hf_seq"), ("tandem", "hf_static"), ("tandem", "hf_cb")]
+    pairs += [("hf_static", "hf_seq"), ("hf_cb", "hf_seq")]
+    by_name = {r.name: r for r in results}
+    for a, b in pairs:
+        ra, rb = by_name.get(a), by_name.get(b)
+        if ra is None or rb is None or not ra.ok or not rb.ok:
+            continue
+        with_margins = model if (not args.no_margins and b == "hf_seq" and a == "tandem") else None
+        for line in compare(ra, rb, wl, with_margins, eos):
+            print(line)
+
+    print("\n## throughput (output tokens / wall seconds; 'tandem x' = tandem out tok/s / mode's)")
+    print(format_table(results))
+    if kv_util is not None:
+        print(f"tandem KV utilization (tokens stored / slots allocated, all steps): {kv_util:.3f}")
+    print(
+        f"RESULT throughput_x_hf_seq={_ratio(ours, hf.get('hf_seq'))} "
+        f"throughput_x_hf_static={_ratio(ours, hf.get('hf_static'))} "
+        f"throughput_x_hf_cb={_ratio(ours, hf.get('hf_cb'))} "
+        f"kv_utilization={_fmt(kv_util, '.3f')}"
+    )
+    return 0 if ours is not None and ours.ok else 1
+
+
+def _loadavg() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg()) + f" ({os.cpu_count()} cpus)"
+    except OSError:
+        return "n/a"
+
+
+def _vocab_size(path) -> int:
+    import json
+
+    with open(os.path.join(str(path), "config.json")) as f:
+        return int(json.load(f)["vocab_size"])
+
+
+def _print_mode(r: ModeResult) -> None:
+    if r.error:
+        print(f"[{r.name}] n/a: {r.error}")
+    else:
+        print(
+            f"[{r.name}] {r.num_requests} requests, {r.output_tokens} output tokens in "
+            f"{r.seconds:.1f}s: {r.out_tok_s:.2f} out tok/s, {r.total_tok_s:.2f} total tok/s"
+        )
+    for note in r.notes:
+        print(f"[{r.name}]   {note}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
