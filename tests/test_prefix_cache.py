@@ -211,3 +211,23 @@ def test_block_hashes_are_stable_across_processes():
             timeout=60,
         )
         assert json.loads(proc.stdout) == in_process, f"PYTHONHASHSEED={seed}"
+
+
+def test_preemption_recomputes_through_the_cache(model_dir):
+    # A pool too small for the batch: requests are preempted, then readmitted with hits on
+    # their own freed blocks. Outputs must equal a roomy pool's with no caching at all.
+    rng = random.Random(0)
+    base = tokens(40, seed=12)
+    prompts = [base[: rng.randrange(1, 40)] + tokens(rng.randrange(20), seed=i) for i in range(6)]
+    params = [
+        SamplingParams(n=rng.choice([1, 2]), temperature=0, max_tokens=24, ignore_eos=True)
+        for _ in prompts
+    ]
+    roomy = LLM(model_dir, num_kv_blocks=200, block_size=4, enable_prefix_caching=False)
+    expected = [ids(o) for o in roomy.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(model_dir, num_kv_blocks=30, block_size=4)
+    assert [ids(o) for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    snap = llm.engine.snapshot()
+    assert snap["num_preemptions"] > 0 and snap["prefix_cache"]["hit_tokens"] > 0
+    assert_idle(roomy)
+    assert_idle(llm)
