@@ -293,11 +293,15 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.add(BASES[base][:num_shared] + tail, salt)
 
     @precondition(lambda self: len(self.live()) < 8)
-    @rule(pick=st.integers(0, 999), cut=st.integers(1, 40), tail=st.lists(st.integers(0, 3)))
+    @rule(
+        pick=st.integers(0, 999),
+        cut=st.integers(1, 40),
+        tail=st.lists(st.integers(0, 3), max_size=3),
+    )
     def add_request_repeating_history(self, pick, cut, tail):
         """A prompt that replays a past request's tokens (prompt and output): a prefix hit."""
         history = self.histories[pick % len(self.histories)]
-        self.add(history[:cut] + tail[:3], b"")
+        self.add(history[:cut] + tail, b"")
 
     @rule(
         num_steps=st.integers(1, 4),

@@ -231,3 +231,23 @@ def test_preemption_recomputes_through_the_cache(model_dir):
     assert snap["num_preemptions"] > 0 and snap["prefix_cache"]["hit_tokens"] > 0
     assert_idle(roomy)
     assert_idle(llm)
+
+
+def test_diverging_siblings_copy_the_shared_block_on_write(model_dir):
+    # n = 3 siblings share the prompt's blocks, including its partly filled last block, and
+    # sample different tokens into it: each must read only its own. Sibling i samples with
+    # seed + 1_000_003 * i, so it must equal a lone n = 1 request with that seed.
+    llm = LLM(model_dir, num_kv_blocks=40, block_size=BS)
+    prompt = tokens(2 * BS + 3, seed=13)
+
+    def sampled(n: int, seed: int) -> SamplingParams:
+        return SamplingParams(n=n, seed=seed, temperature=1.5, max_tokens=12, ignore_eos=True)
+
+    (group,) = llm.generate([prompt], sampled(3, 7), use_tqdm=False)
+    alone = [
+        llm.generate([prompt], sampled(1, 7 + 1_000_003 * i), use_tqdm=False)[0] for i in range(3)
+    ]
+    assert len({tuple(c.token_ids) for c in group.outputs}) == 3
+    assert ids(group) == [ids(o)[0] for o in alone]
+    assert [o.num_cached_tokens for o in alone] == [2 * BS] * 3
+    assert_idle(llm)
