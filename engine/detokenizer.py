@@ -44,12 +44,9 @@ class IncrementalDetokenizer:
             return None
         new_text = full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        if not check_stop:
-            self.text += new_text
-            return None
         search_from = max(0, len(self.text) - max((len(s) for s in self.stop), default=0))
         self.text += new_text
-        return self._check_stop(search_from)
+        return self._check_stop(search_from) if check_stop else None
 
     def _check_stop(self, search_from: int) -> str | None:
         best = None

@@ -89,12 +89,11 @@ class SamplingParams:
                     k = int(k)
                 if not is_int(k):
                     raise bad("logit_bias", k, "keys must be integer token ids")
-                tid = k
-                if tid < 0:
+                if k < 0:
                     raise bad("logit_bias", k, "keys must be non-negative token ids")
                 if not isinstance(v, int | float) or not -100.0 <= v <= 100.0:
                     raise bad("logit_bias", v, "values must be in [-100, 100]")
-                fixed[tid] = float(v)
+                fixed[k] = float(v)
             self.logit_bias = fixed
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
