@@ -54,10 +54,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, tables: dict[Request, list[int]]) -> StepResult:
-        # Decodes first so that attention handles them as one slice.
-        order = sorted(range(len(sched.requests)), key=lambda i: sched.num_new_tokens[i] != 1)
-        requests = [sched.requests[i] for i in order]
-        num_new = [sched.num_new_tokens[i] for i in order]
+        requests, num_new = sched.requests, sched.num_new_tokens
         for src, dst in sched.block_copies:
             self.kv_caches[:, :, :, dst] = self.kv_caches[:, :, :, src]
 

@@ -25,14 +25,20 @@ def write_kv(
 
 
 def decode_attention(
-    q: torch.Tensor,  # [B, Hq, D], one query token per request
+    q: torch.Tensor,  # [B, Q, Hq, D], a few query tokens per request (decode: Q = 1)
     k_cache: torch.Tensor,  # [Hkv, num_blocks, block_size, D]
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [B, max_blocks] int64, padded with the null block 0
-    key_bias: torch.Tensor,  # [B, max_blocks * block_size] float, 0 for visible keys, -inf else
+    key_bias: torch.Tensor,  # [B, max_blocks * block_size, Q] float, 0 where visible, -inf else
     scale: float,
-) -> torch.Tensor:  # [B, Hq, D]
-    num_reqs, num_heads, head_dim = q.shape
+) -> torch.Tensor:  # [B, Q, Hq, D]
+    """Attention of B requests with Q queries each over their paged K/V, in batched matmuls.
+
+    Serves decode (Q = 1) and speculative verification (Q = 1 + drafts); the causal order among
+    the Q queries lives in key_bias. Every request is padded to max_blocks, so callers group
+    requests of similar length (see engine.attention) to keep the padding small.
+    """
+    num_reqs, num_queries, num_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_cache.shape
     group = num_heads // num_kv_heads
     max_len = block_tables.shape[1] * block_size
@@ -40,18 +46,18 @@ def decode_attention(
     # Gathered copies: [Hkv, B, max_len, D] -> batch (Hkv * B) of [max_len, D].
     k = k_cache.index_select(1, flat_blocks).view(num_kv_heads * num_reqs, max_len, head_dim)
     v = v_cache.index_select(1, flat_blocks).view(num_kv_heads * num_reqs, max_len, head_dim)
-    # q as [Hkv * B, D, group]: the scores come out [Hkv * B, max_len, group], so K is read in
-    # its natural layout (no transposed copy of the large operand).
-    q_t = q.view(num_reqs, num_kv_heads, group, head_dim).permute(1, 0, 3, 2)
-    q_t = q_t.reshape(num_kv_heads * num_reqs, head_dim, group) * scale
-    scores = torch.bmm(k, q_t).view(num_kv_heads, num_reqs, max_len, group)
-    scores = scores + key_bias[None, :, :, None]
-    probs = scores.softmax(dim=2).view(num_kv_heads * num_reqs, max_len, group)
-    out = torch.bmm(probs.transpose(1, 2), v)  # [Hkv * B, group, D]
+    # q as [Hkv * B, D, group * Q]: the scores come out [Hkv * B, max_len, group * Q], so K is
+    # read in its natural layout (no transposed copy of the large operand).
+    q_t = q.view(num_reqs, num_queries, num_kv_heads, group, head_dim).permute(2, 0, 4, 3, 1)
+    q_t = q_t.reshape(num_kv_heads * num_reqs, head_dim, group * num_queries) * scale
+    scores = torch.bmm(k, q_t).view(num_kv_heads, num_reqs, max_len, group, num_queries)
+    scores = scores + key_bias[None, :, :, None, :]
+    probs = scores.softmax(dim=2).view(num_kv_heads * num_reqs, max_len, group * num_queries)
+    out = torch.bmm(probs.transpose(1, 2), v)  # [Hkv * B, group * Q, D]
     return (
-        out.view(num_kv_heads, num_reqs, group, head_dim)
-        .transpose(0, 1)
-        .reshape(num_reqs, num_heads, head_dim)
+        out.view(num_kv_heads, num_reqs, group, num_queries, head_dim)
+        .permute(1, 3, 0, 2, 4)
+        .reshape(num_reqs, num_queries, num_heads, head_dim)
     )
 
 

@@ -68,19 +68,38 @@ class ModelConfig:
         )
 
 
+def onednn_linear_available() -> bool:
+    ops = torch.ops.mkldnn
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(ops, "_reorder_linear_weight")
+        and hasattr(ops, "_linear_pointwise")
+    )
+
+
 class Linear(nn.Module):
-    """y = x W^T + b with W stored transposed ([in, out]): on CPU, `x @ W_t` runs ~20% faster
-    than F.linear at decode batch sizes (measured at batch 32-64 on this project's machines)."""
+    """y = x W^T + b, with W stored [out, in] as in HF checkpoints.
+
+    On CPU, `pack()` swaps the dense weight for oneDNN's blocked copy (the same bytes; the dense
+    one is dropped). MKL's sgemm is slow at the small row counts of decode: over one SmolLM2
+    forward on one thread, oneDNN packed took 62 ms at 12 rows against 114-134 ms for F.linear
+    or x @ W^T, 90 vs 144-153 ms at 24, 170 vs 185-219 ms at 64, and about the same at 1 and 256.
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
-        self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.packed: torch.Tensor | None = None  # oneDNN opaque tensor once packed
+
+    def pack(self) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+        self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is None:
-            return x @ self.weight_t
-        return torch.addmm(self.bias, x, self.weight_t)
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -171,6 +190,12 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_caches[i], meta)
         return self.norm(x)
+
+    def pack_linear_weights(self) -> None:
+        """CPU only: every projection to oneDNN's packed layout (see Linear)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, vocab]
         return F.linear(hidden, self.lm_head_weight)

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from engine.models.llama import LlamaForCausalLM, ModelConfig
+from engine.models.llama import LlamaForCausalLM, ModelConfig, onednn_linear_available
 
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
 
@@ -75,16 +75,18 @@ def _fused_state(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, tor
             out[p + "down_proj.bias"] = hf.pop(mlp + "down_proj.bias")
         for norm in ("input_layernorm", "post_attention_layernorm"):
             out[p + norm + ".weight"] = hf.pop(p + norm + ".weight")
-    for name in [k for k in out if k.endswith("proj.weight")]:
-        out[name.removesuffix("weight") + "weight_t"] = out.pop(name).t().contiguous()
     leftover = [k for k in hf if not k.endswith("rotary_emb.inv_freq")]
     if leftover:
         raise ValueError(f"unexpected weights in checkpoint: {leftover[:5]}")
     return out
 
 
-def load_model(path: str | Path, max_len: int | None = None):
-    """Returns (model, ModelConfig, hf_config). max_len bounds the RoPE table."""
+def load_model(path: str | Path, max_len: int | None = None, pack_weights: bool = True):
+    """Returns (model, ModelConfig, hf_config). max_len bounds the RoPE table.
+
+    pack_weights: on CPU, hand the linear layers' weights to oneDNN's blocked layout (see
+    `Linear.pack`); False keeps plain dense weights.
+    """
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ValueError(f"model directory {str(path)!r} has no config.json")
@@ -100,6 +102,8 @@ def load_model(path: str | Path, max_len: int | None = None):
             f"weights do not match the model: missing={missing} unexpected={unexpected}"
         )
     model.eval().requires_grad_(False)
+    if pack_weights and onednn_linear_available():
+        model.pack_linear_weights()
     return model, cfg, hf_config
 
 
