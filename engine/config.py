@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 import psutil
 
+# Drafts per request per step; verification rows are attended in the batched short-query path.
+MAX_SPECULATIVE_TOKENS = 15
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -20,6 +23,14 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0  # engine generator for unseeded random sampling
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    # Speculative decoding: "ngram" (prompt lookup) or "draft" (a draft model; setting
+    # draft_model alone implies it). num_speculative_tokens is the default k per request
+    # (SamplingParams.num_speculative_tokens overrides it; 0 turns speculation off for one).
+    speculative_method: str | None = None
+    draft_model: str | None = None  # embedded name or a local HF directory
+    num_speculative_tokens: int = 4
+    ngram_min: int = 2
+    ngram_max: int = 4
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
@@ -31,12 +42,38 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
+        if self.speculative_method not in (None, "ngram", "draft"):
+            raise ValueError(
+                "speculative_method must be 'ngram', 'draft' or None, "
+                f"got {self.speculative_method!r}"
+            )
+        if self.speculative_method == "draft" and not self.draft_model:
+            raise ValueError("speculative_method='draft' needs draft_model")
+        if self.draft_model and self.speculative_method == "ngram":
+            raise ValueError("draft_model is set but speculative_method is 'ngram'")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be an integer in [0, {MAX_SPECULATIVE_TOKENS}], "
+                f"got {k!r}"
+            )
+        if not (isinstance(self.ngram_min, int) and isinstance(self.ngram_max, int)) or not (
+            1 <= self.ngram_min <= self.ngram_max
+        ):
+            raise ValueError(
+                f"ngram_min/ngram_max must satisfy 1 <= ngram_min <= ngram_max, "
+                f"got {self.ngram_min!r}, {self.ngram_max!r}"
+            )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
         if not 0.0 < self.kv_cache_memory_fraction <= 0.9:
             raise ValueError(
                 f"kv_cache_memory_fraction must be in (0, 0.9], got {self.kv_cache_memory_fraction}"
             )
+
+    @property
+    def spec_method(self) -> str | None:
+        return self.speculative_method or ("draft" if self.draft_model else None)
 
     def kv_budget_bytes(self) -> int:
         if self.kv_cache_memory_bytes is not None:

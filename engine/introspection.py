@@ -27,6 +27,7 @@ def snapshot(engine) -> dict:
                 "num_computed_tokens": request.num_computed_tokens,
                 "num_cached_tokens": max(0, request.num_cached_tokens),
                 "block_table": list(table),
+                "spec": request.spec.as_dict(),
             }
         )
     blocks = {
@@ -61,4 +62,10 @@ def snapshot(engine) -> dict:
         "kv_utilization": stored / allocated if allocated else 1.0,
         "num_steps": engine.num_steps,
         "num_generated_tokens": engine.num_generated_tokens,
+        "speculation": {
+            "method": engine.config.spec_method,
+            **engine.spec_stats.as_dict(),
+            "draft_seconds": engine.spec_time["draft"],
+            "verify_seconds": engine.spec_time["verify"],
+        },
     }

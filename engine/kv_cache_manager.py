@@ -43,7 +43,7 @@ class KVCacheManager:
         """Make room for num_new_tokens more computed tokens. Returns (ok, copy): copy is a
         (src, dst) block pair when the request's last, partly filled block was shared (n > 1
         fork) and must be copied before it is written (copy-on-write)."""
-        table = self.block_tables.setdefault(request, [])
+        table = self.block_tables.get(request, [])
         prefix_blocks = prefix_blocks or []
         num_computed = request.num_computed_tokens + len(prefix_blocks) * self.block_size
         needed = self.blocks_needed(num_computed + num_new_tokens)
@@ -53,6 +53,7 @@ class KVCacheManager:
         num_free_hits = sum(1 for b in prefix_blocks if self.pool.ref_counts[b] == 0)
         if num_new_blocks + cow > self.pool.num_free - num_free_hits:
             return False, None
+        self.block_tables[request] = table
         self.pool.touch(prefix_blocks)
         table.extend(prefix_blocks)
         copy = None
@@ -65,15 +66,28 @@ class KVCacheManager:
             table.extend(self.pool.allocate(num_new_blocks))
         return True, copy
 
-    def cache_computed_blocks(self, request: Request) -> None:
-        """Register the request's full, computed blocks in the prefix cache."""
+    def cache_computed_blocks(self, request: Request, num_computed: int | None = None) -> None:
+        """Register the request's full blocks within its first num_computed tokens (whose KV
+        every model that shares the tables has written) in the prefix cache."""
         if not self.enable_prefix_caching:
             return
         table = self.block_tables.get(request, [])
-        num_full = request.num_computed_tokens // self.block_size
+        if num_computed is None:
+            num_computed = request.num_computed_tokens
+        num_full = num_computed // self.block_size
         hashes = request.full_block_hashes()
         for i in range(min(num_full, len(hashes), len(table))):
             self.pool.cache_block(table[i], hashes[i])
+
+    def trim(self, request: Request) -> None:
+        """Free the blocks past the request's computed tokens (slots of rejected drafts)."""
+        table = self.block_tables.get(request)
+        if table is None:
+            return
+        keep = self.blocks_needed(request.num_computed_tokens)
+        if len(table) > keep:
+            self.pool.free(table[keep:])
+            del table[keep:]
 
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares every block of the parent (copy-on-write on first append)."""

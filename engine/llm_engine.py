@@ -18,6 +18,9 @@ from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOut
 from engine.request import FINISH_REASONS, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from spec.draft_model import DraftModelProposer
+from spec.metrics import SpecStats
+from spec.proposer import NgramProposer, Proposer
 
 
 class RequestGroup:
@@ -52,13 +55,32 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.vocab_size = cfg.vocab_size
-        num_blocks = config.num_kv_blocks or max(
-            2, config.kv_budget_bytes() // kv_bytes_per_block(cfg, config.block_size)
-        )
+        draft = None
+        if config.spec_method == "draft":
+            draft_model, draft_cfg, _ = load_model(resolve_model(config.draft_model))
+            if draft_cfg.vocab_size != cfg.vocab_size:
+                raise ValueError(
+                    f"draft_model vocabulary ({draft_cfg.vocab_size}) differs from the target's "
+                    f"({cfg.vocab_size}); the two models must share a tokenizer"
+                )
+            draft = (draft_model, draft_cfg)
+        block_bytes = kv_bytes_per_block(cfg, config.block_size)
+        if draft is not None:  # the draft's KV lives in the same blocks: budget both
+            block_bytes += kv_bytes_per_block(draft[1], config.block_size)
+        num_blocks = config.num_kv_blocks or max(2, config.kv_budget_bytes() // block_bytes)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, cfg, num_blocks, config.block_size)
         self.runner.generator.manual_seed(config.seed)
+        self.draft_runner = None
+        self.proposer: Proposer | None = None
+        if draft is not None:
+            self.draft_runner = ModelRunner(*draft, num_blocks, config.block_size)
+            self.proposer = DraftModelProposer(self.draft_runner)
+        elif config.spec_method == "ngram":
+            self.proposer = NgramProposer(config.ngram_min, config.ngram_max)
+        self.spec_stats = SpecStats()
+        self.spec_time = {"draft": 0.0, "verify": 0.0}
         self.groups: dict[str, RequestGroup] = {}
         self.num_steps = 0
         self.num_generated_tokens = 0
@@ -145,16 +167,51 @@ class LLMEngine:
 
     # ---- one step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule, propose drafts, run the target over tokens + drafts, verify, append."""
+        self._plan_speculation()
         sched = self.scheduler.schedule()
         if not sched.requests:
             return []
-        result = self.runner.execute(sched, self.kv.block_tables)
-        for request, n in zip(sched.requests, sched.num_new_tokens, strict=True):
-            request.num_computed_tokens += n
-            self.kv.cache_computed_blocks(request)
+        tables = self.kv.block_tables
+        t0 = time.perf_counter()
+        if self.proposer is not None:
+            self.proposer.propose(sched, tables)
+            for i, request in enumerate(sched.requests):
+                # A proposer may return fewer drafts than the slots reserved.
+                num_drafts = len(request.spec_token_ids)
+                sched.num_new_tokens[i] -= sched.num_drafts[i] - num_drafts
+                sched.num_drafts[i] = num_drafts
+        t1 = time.perf_counter()
+        result = self.runner.execute(sched, tables)
+        self.spec_time["draft"] += t1 - t0
+        self.spec_time["verify"] += time.perf_counter() - t1
+        for request, n, k in sched.scheduled():
+            num_accepted = result.num_accepted.get(request, 0)
+            request.num_computed_tokens += n - k + num_accepted
+            if k:  # reclaim the slots of rejected drafts
+                self.kv.trim(request)
+                request.spec.record(k, num_accepted)
+                self.spec_stats.record(k, num_accepted)
+                request.spec_token_ids, request.draft_probs = [], None
+            request.num_draft_computed = min(
+                request.num_draft_computed, request.num_computed_tokens
+            )
+            cacheable = request.num_computed_tokens
+            if self.draft_runner is not None:
+                cacheable = request.num_draft_computed
+            self.kv.cache_computed_blocks(request, cacheable)
         touched = self._process_samples(result)
         self.num_steps += 1
         return [self._make_output(g) for g in touched]
+
+    def _plan_speculation(self) -> None:
+        """Drafts each running request asks for in the coming step."""
+        if self.proposer is None:
+            return
+        default = self.config.num_speculative_tokens
+        for request in self.scheduler.running:
+            k = request.params.num_speculative_tokens
+            request.num_spec_wanted = default if k is None else k
 
     def _process_samples(self, result: StepResult) -> list[RequestGroup]:
         touched: dict[str, RequestGroup] = {}
@@ -166,18 +223,23 @@ class LLMEngine:
                 leader = self.groups[request.request_id].requests[0]
                 self.kv.fork(leader, request)
                 request.num_computed_tokens = leader.num_computed_tokens
+                request.num_draft_computed = leader.num_draft_computed
                 self.scheduler.add_running(request)
-        for request, token in result.sampled:
+        for request, tokens in result.sampled:
             request.siblings = []
             group = self.groups[request.request_id]
             touched[group.request_id] = group
-            self._append(group, request, token, result.logprobs.get(request))
+            logprobs = result.logprobs.get(request) or [None] * len(tokens)
+            for token, lp in zip(tokens, logprobs, strict=True):
+                if self._append(group, request, token, lp):
+                    break  # finished: later tokens of a multi-token step are dropped
         for group in touched.values():
             if group.finished:
                 del self.groups[group.request_id]
         return list(touched.values())
 
-    def _append(self, group: RequestGroup, request: Request, token: int, logprobs) -> None:
+    def _append(self, group: RequestGroup, request: Request, token: int, logprobs) -> bool:
+        """Append one token and check stop conditions; True when the request finished."""
         request.append_token(token)
         self.num_generated_tokens += 1
         if group.metrics.first_token_time is None:
@@ -202,6 +264,7 @@ class LLMEngine:
             if request.stop_reason is None or isinstance(request.stop_reason, int):
                 detok.flush()
             self.scheduler.finish(request, status)
+        return status is not None
 
     # ---- outputs -----------------------------------------------------------------------
     def _decode_logprobs(self, raw: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
@@ -236,6 +299,8 @@ class LLMEngine:
             group.metrics.finished_time = time.monotonic()
         group.metrics.num_cached_tokens = max(0, leader.num_cached_tokens)
         group.metrics.num_preemptions = sum(r.num_preemptions for r in group.requests)
+        if self.proposer is not None:
+            group.metrics.spec = SpecStats.merged(r.spec for r in group.requests)
         return RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,

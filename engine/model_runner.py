@@ -14,8 +14,9 @@ import torch
 from engine.attention import build_metadata
 from engine.models.llama import LlamaForCausalLM, ModelConfig
 from engine.request import Request
-from engine.sampler import SamplingBatch, process_logits, sample, top_logprobs
+from engine.sampler import RequestAt, SamplingBatch, process_logits, top_logprobs
 from engine.scheduler import SchedulerOutput
+from spec.rejection import VerifyRow, verify
 
 # token id -> (logprob, rank) for one position
 RawLogprobs = dict[int, tuple[float, int]]
@@ -36,12 +37,26 @@ def logprob_entry(token: int, chosen, rank, values, ids, num_top: int) -> RawLog
 
 @dataclass
 class StepResult:
-    sampled: list[tuple[Request, int]] = field(default_factory=list)  # (request, token id)
-    logprobs: dict[Request, RawLogprobs] = field(default_factory=dict)
+    # (request, emitted tokens): one token, or under speculation the accepted drafts plus one
+    sampled: list[tuple[Request, list[int]]] = field(default_factory=list)
+    num_accepted: dict[Request, int] = field(default_factory=dict)  # drafts accepted
+    logprobs: dict[Request, list[RawLogprobs]] = field(default_factory=dict)  # per emitted token
     prompt_logprobs: dict[Request, list[RawLogprobs]] = field(default_factory=dict)
 
 
+@dataclass(slots=True)
+class ForwardItem:
+    """Tokens of one request to run through the model at consecutive positions from `start`."""
+
+    request: Request
+    start: int
+    token_ids: list[int]
+
+
 class ModelRunner:
+    """A model and its paged KV cache. The target and a draft model each have one; both
+    address their caches with the same block tables."""
+
     def __init__(self, model: LlamaForCausalLM, cfg: ModelConfig, num_blocks: int, block_size: int):
         self.model = model
         self.cfg = cfg
@@ -52,78 +67,115 @@ class ModelRunner:
         )
         self.generator = torch.Generator().manual_seed(0)
 
-    @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, tables: dict[Request, list[int]]) -> StepResult:
-        requests, num_new = sched.requests, sched.num_new_tokens
-        for src, dst in sched.block_copies:
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        for src, dst in copies:
             self.kv_caches[:, :, :, dst] = self.kv_caches[:, :, :, src]
 
-        input_ids, positions, slots, seq_lens, sample_rows = [], [], [], [], []
-        row = 0
+    @torch.inference_mode()
+    def forward(self, items: list[ForwardItem], tables: dict[Request, list[int]]) -> torch.Tensor:
+        """Run every item's tokens in one flat batch; returns hidden states [sum(len), hidden]."""
+        input_ids, positions, slots, seq_lens, query_lens, item_tables = [], [], [], [], [], []
         bs = self.block_size
-        for request, n in zip(requests, num_new, strict=True):
-            start = request.num_computed_tokens
-            table = tables[request]
-            input_ids.extend(request.token_ids[start : start + n])
-            pos = range(start, start + n)
+        for item in items:
+            table = tables[item.request]
+            n = len(item.token_ids)
+            input_ids.extend(item.token_ids)
+            pos = range(item.start, item.start + n)
             positions.extend(pos)
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            seq_lens.append(start + n)
-            row += n
-            if start + n == request.num_tokens:
-                sample_rows.append((request, row - 1))
+            seq_lens.append(item.start + n)
+            query_lens.append(n)
+            item_tables.append(table)
         meta = build_metadata(
             seq_lens,
-            num_new,
-            [tables[r] for r in requests],
+            query_lens,
+            item_tables,
             torch.tensor(slots, dtype=torch.long),
             bs,
             self.cfg.sliding_window,
         )
-        hidden = self.model(
+        return self.model(
             torch.tensor(input_ids, dtype=torch.long),
             torch.tensor(positions, dtype=torch.long),
             self.kv_caches,
             meta,
         )
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, tables: dict[Request, list[int]]) -> StepResult:
+        """The target's step: scheduled tokens plus each request's drafts, then verification."""
+        self.copy_blocks(sched.block_copies)
+        items, verify_rows, row = [], [], 0
+        for request, n, k in sched.scheduled():
+            start = request.num_computed_tokens
+            base = n - k  # tokens of the request itself; the rest of the row count is drafts
+            drafts = request.spec_token_ids
+            tokens = request.token_ids[start : start + base] + drafts
+            items.append(ForwardItem(request, start, tokens))
+            row += base + len(drafts)
+            if start + base == request.num_tokens:
+                verify_rows.append((request, row - 1 - len(drafts)))
+        hidden = self.forward(items, tables)
         result = StepResult()
-        self._prompt_logprobs(hidden, requests, num_new, result)
-        self._sample(hidden, sample_rows, result)
+        self._prompt_logprobs(hidden, items, result)
+        self._sample(hidden, verify_rows, result)
         return result
 
-    def _sample(self, hidden: torch.Tensor, sample_rows, result: StepResult) -> None:
-        rows, row_requests = [], []
-        for request, row in sample_rows:
-            rows.append(row)
-            row_requests.append(request)
+    def _sample(self, hidden: torch.Tensor, verify_rows, result: StepResult) -> None:
+        """verify_rows: (request, row of its last real token); its drafts' rows follow."""
+        rows, views, spans = [], [], []
+        for request, row in verify_rows:
+            members = [request]
             if request.siblings and request.num_output_tokens == 0:
                 # n > 1: the siblings sample their first token from the leader's logits.
-                rows.extend([row] * len(request.siblings))
-                row_requests.extend(request.siblings)
+                members += request.siblings
+            for member in members:
+                drafts = member.spec_token_ids if member is request else []
+                spans.append(
+                    VerifyRow(
+                        len(rows),
+                        drafts,
+                        member.draft_probs if drafts else None,
+                        member.params.is_greedy,
+                        member.generator,
+                    )
+                )
+                for j in range(len(drafts) + 1):
+                    rows.append(row + j)
+                    views.append(RequestAt(member, drafts[:j]) if j else member)
         if not rows:
             return
-        logits = self.model.compute_logits(hidden[torch.tensor(rows)])  # [M, V]
+        logits = self.model.compute_logits(hidden[torch.tensor(rows)])  # [R, V]
         logits = logits[:, : self.cfg.vocab_size]
-        batch = SamplingBatch.from_requests(row_requests, self.cfg.vocab_size)
-        tokens = sample(process_logits(logits, batch), batch, self.generator)
-        want = [i for i, r in enumerate(row_requests) if r.params.logprobs is not None]
-        if want:
-            idx = torch.tensor(want)
-            num_top = max(row_requests[i].params.logprobs for i in want)
+        batch = SamplingBatch.from_requests(views, self.cfg.vocab_size)
+        verdicts = verify(process_logits(logits, batch), spans, self.generator)
+        members = [v.request if isinstance(v, RequestAt) else v for v in views]
+        lp_rows, lp_tokens = [], []
+        for span, verdict in zip(spans, verdicts, strict=True):
+            member = members[span.start]
+            result.sampled.append((member, verdict.tokens))
+            if span.drafts:
+                result.num_accepted[member] = verdict.num_accepted
+            if member.params.logprobs is not None:
+                lp_rows += range(span.start, span.start + len(verdict.tokens))
+                lp_tokens += verdict.tokens
+        if lp_rows:
+            idx = torch.tensor(lp_rows)
+            num_top = max(members[i].params.logprobs for i in lp_rows)
             lp = torch.log_softmax(logits[idx], dim=-1)
-            chosen, rank, values, ids = top_logprobs(lp, tokens[idx], num_top)
-            for j, i in enumerate(want):
-                n = row_requests[i].params.logprobs
-                result.logprobs[row_requests[i]] = logprob_entry(
-                    int(tokens[i]), chosen[j], rank[j], values[j], ids[j], n
+            chosen, rank, values, ids = top_logprobs(lp, torch.tensor(lp_tokens), num_top)
+            for j, (i, token) in enumerate(zip(lp_rows, lp_tokens, strict=True)):
+                member = members[i]
+                entry = logprob_entry(
+                    token, chosen[j], rank[j], values[j], ids[j], member.params.logprobs
                 )
-        result.sampled = list(zip(row_requests, tokens.tolist(), strict=True))
+                result.logprobs.setdefault(member, []).append(entry)
 
-    def _prompt_logprobs(self, hidden, requests, num_new, result: StepResult) -> None:
+    def _prompt_logprobs(self, hidden, items: list[ForwardItem], result: StepResult) -> None:
         start_row = 0
-        for request, n in zip(requests, num_new, strict=True):
+        for item in items:
+            request, n, start = item.request, len(item.token_ids), item.start
             num_top = request.params.prompt_logprobs
-            start = request.num_computed_tokens
             rows_end = start_row + n
             # After a preemption the prompt is recomputed: skip positions already recorded.
             first = max(start, len(request.prompt_logprobs))

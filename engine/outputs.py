@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from spec.metrics import SpecStats
+
 
 @dataclass(slots=True)
 class Logprob:
@@ -39,6 +41,7 @@ class RequestMetrics:
     finished_time: float | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    spec: SpecStats | None = None  # speculation counters over the group's completions
 
 
 @dataclass

@@ -9,6 +9,7 @@ import torch
 
 from engine.block_pool import hash_block
 from engine.sampling_params import SamplingParams
+from spec.metrics import SpecStats
 
 
 class RequestStatus(IntEnum):
@@ -69,6 +70,14 @@ class Request:
         self.prompt_logprobs: list = []  # per prompt position, when params.prompt_logprobs is set
         self.cumulative_logprob = 0.0
         self.siblings: list[Request] = []  # n > 1: requests forked from this leader
+        # Speculation. num_spec_wanted: drafts to ask for next step (set by the engine's policy);
+        # spec_token_ids / draft_probs: this step's drafts ([d, V] q, None when one-hot);
+        # num_draft_computed: tokens whose KV the draft model holds (it may lag the target).
+        self.num_spec_wanted = 0
+        self.spec_token_ids: list[int] = []
+        self.draft_probs: torch.Tensor | None = None
+        self.num_draft_computed = 0
+        self.spec = SpecStats()
 
     @property
     def num_tokens(self) -> int:

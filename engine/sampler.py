@@ -21,9 +21,36 @@ from engine.request import Request
 NEG_INF = float("-inf")
 
 
+class RequestAt:
+    """A request as the logits pipeline sees it at draft position j: its tokens plus the first j
+    drafts. Penalties and min_tokens bans for verifying draft j depend on the drafts before it,
+    exactly as they would had those tokens been sampled one by one."""
+
+    __slots__ = ("request", "token_ids", "params", "eos_token_ids", "num_prompt_tokens")
+
+    def __init__(self, request: Request, drafts: list[int]):
+        self.request = request
+        self.token_ids = request.token_ids + drafts
+        self.params = request.params
+        self.eos_token_ids = request.eos_token_ids
+        self.num_prompt_tokens = request.num_prompt_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        return self.request.generator
+
+
 @dataclass(slots=True)
 class SamplingBatch:
-    requests: list[Request]
+    requests: list[Request | RequestAt]
     temperature: torch.Tensor  # [M]; 1.0 on greedy rows
     is_greedy: torch.Tensor  # [M] bool
     all_greedy: bool
@@ -32,7 +59,7 @@ class SamplingBatch:
     min_p: torch.Tensor | None  # [M]
 
     @classmethod
-    def from_requests(cls, requests: list[Request], vocab_size: int) -> SamplingBatch:
+    def from_requests(cls, requests: list[Request | RequestAt], vocab_size: int) -> SamplingBatch:
         params = [r.params for r in requests]
         greedy = [p.is_greedy for p in params]
         temps = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]

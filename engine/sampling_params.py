@@ -28,6 +28,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per sampled token (plus the sampled one)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    num_speculative_tokens: int | None = None  # drafts per step; None: the engine's default
     extra: dict = field(default_factory=dict)  # room for later features
 
     def __post_init__(self) -> None:
@@ -95,6 +96,9 @@ class SamplingParams:
                     raise bad("logit_bias", v, "values must be in [-100, 100]")
                 fixed[k] = float(v)
             self.logit_bias = fixed
+        k = self.num_speculative_tokens
+        if k is not None and (not is_int(k) or not 0 <= k <= 15):
+            raise bad("num_speculative_tokens", k, "must be an integer in [0, 15] or None")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (not is_int(v) or not 0 <= v <= 20):

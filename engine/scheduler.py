@@ -20,9 +20,14 @@ from engine.request import Request, RequestStatus
 @dataclass
 class SchedulerOutput:
     requests: list[Request] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # including draft slots
+    num_drafts: list[int] = field(default_factory=list)  # draft slots reserved (speculation)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) CoW
     preempted: list[Request] = field(default_factory=list)
+
+    def scheduled(self):
+        """(request, tokens to compute including drafts, of which drafts) per request."""
+        return zip(self.requests, self.num_new_tokens, self.num_drafts, strict=True)
 
     @property
     def total_tokens(self) -> int:
@@ -48,13 +53,16 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, num_new, out):
+            num_drafts = self._draft_slots(request, num_new, budget)
+            if not self._allocate_or_preempt(request, num_new, num_drafts, out):
                 break  # the request preempted itself: nothing after it can run either
-            budget -= num_new
+            budget -= out.num_new_tokens[-1]
             i += 1
         while self.waiting and budget > 0 and not out.preempted:
             request = self.waiting[0]
-            if len(self.running) + request.params.n > self.max_num_seqs and self.running:
+            # A leader whose n > 1 siblings are not forked yet brings them along.
+            seats = 1 + len(request.siblings)
+            if len(self.running) + seats > self.max_num_seqs and self.running:
                 break
             prefix = self.kv.find_prefix(request) if request.num_computed_tokens == 0 else []
             num_cached = len(prefix) * self.kv.block_size
@@ -67,17 +75,32 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
             request.num_computed_tokens = num_cached
+            request.num_draft_computed = num_cached  # cached blocks hold the draft's KV too
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            self._emit(out, request, num_new, copy)
+            self._emit(out, request, num_new, 0, copy)
             budget -= num_new
         return out
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+    @staticmethod
+    def _draft_slots(request: Request, num_new: int, budget: int) -> int:
+        """Draft tokens to verify after a decode token: what the request wants, within the
+        budget and never past what it may still emit (k drafts can yield k + 1 tokens)."""
+        if num_new != 1 or request.num_tokens - request.num_computed_tokens != 1:
+            return 0
+        room = request.max_output_tokens - request.num_output_tokens - 1
+        return max(0, min(request.num_spec_wanted, budget - 1, room))
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, num_drafts: int, out: SchedulerOutput
+    ) -> bool:
         while True:
-            ok, copy = self.kv.allocate(request, num_new)
+            ok, copy = self.kv.allocate(request, num_new + num_drafts)
+            if not ok and num_drafts:
+                num_drafts = 0  # drop speculation before preempting anyone
+                continue
             if ok:
-                self._emit(out, request, num_new, copy)
+                self._emit(out, request, num_new + num_drafts, num_drafts, copy)
                 return True
             victim = self.running.pop()
             self.preempt(victim)
@@ -86,16 +109,18 @@ class Scheduler:
                 return False
 
     @staticmethod
-    def _emit(out: SchedulerOutput, request: Request, num_new: int, copy) -> None:
+    def _emit(out: SchedulerOutput, request: Request, num_new: int, num_drafts: int, copy) -> None:
         out.requests.append(request)
         out.num_new_tokens.append(num_new)
+        out.num_drafts.append(num_drafts)
         if copy is not None:
             out.block_copies.append(copy)
 
     def preempt(self, request: Request) -> None:
         """Recompute-style preemption: drop the KV, keep the tokens, requeue at the front."""
         self.kv.free(request)
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = request.num_draft_computed = 0
+        request.spec_token_ids, request.draft_probs = [], None
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1

@@ -1,0 +1,68 @@
+"""Speculation counters, kept per request and summed per engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecStats:
+    num_steps: int = 0  # verification steps that carried at least one draft
+    num_drafts: int = 0  # draft tokens proposed and verified
+    num_accepted: int = 0
+    drafted_at: list[int] = field(default_factory=list)  # [j]: steps with a draft at position j
+    accepted_at: list[int] = field(default_factory=list)  # [j]: ... whose draft j was accepted
+
+    @classmethod
+    def merged(cls, parts) -> SpecStats:
+        total = cls()
+        for part in parts:
+            total.num_steps += part.num_steps
+            total.num_drafts += part.num_drafts
+            total.num_accepted += part.num_accepted
+            for name in ("drafted_at", "accepted_at"):
+                mine, theirs = getattr(total, name), getattr(part, name)
+                mine += [0] * (len(theirs) - len(mine))
+                for j, v in enumerate(theirs):
+                    mine[j] += v
+        return total
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        """One verification: the first num_accepted of num_drafts drafts were accepted."""
+        if num_drafts == 0:
+            return
+        if not 0 <= num_accepted <= num_drafts:
+            raise ValueError(f"accepted {num_accepted} of {num_drafts} drafts")
+        self.num_steps += 1
+        self.num_drafts += num_drafts
+        self.num_accepted += num_accepted
+        grow = num_drafts - len(self.drafted_at)
+        if grow > 0:
+            self.drafted_at += [0] * grow
+            self.accepted_at += [0] * grow
+        for j in range(num_drafts):
+            self.drafted_at[j] += 1
+            self.accepted_at[j] += j < num_accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_drafts if self.num_drafts else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verification step: 1 + accepted drafts per step."""
+        return 1.0 + self.num_accepted / self.num_steps if self.num_steps else 1.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at, strict=True)]
+
+    def as_dict(self) -> dict:
+        return {
+            "num_steps": self.num_steps,
+            "num_drafts": self.num_drafts,
+            "num_accepted": self.num_accepted,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+            "acceptance_by_position": self.acceptance_by_position,
+        }

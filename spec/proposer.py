@@ -1,0 +1,54 @@
+"""What the engine asks of a proposer, and the n-gram (prompt lookup) proposer.
+
+After the scheduler has reserved up to k draft slots for a request (`SchedulerOutput.num_drafts`),
+`propose` fills `request.spec_token_ids` with at most that many tokens and `request.draft_probs`
+with their proposal distribution q ([d, V]) or None when the proposal is deterministic. The
+verifier is lossless whatever a proposer returns; proposers only decide how much is accepted.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from engine.request import Request
+from engine.scheduler import SchedulerOutput
+
+
+class Proposer(Protocol):
+    def propose(self, sched: SchedulerOutput, tables: dict[Request, list[int]]) -> None: ...
+
+
+def clear_drafts(sched: SchedulerOutput) -> None:
+    for request in sched.requests:
+        request.spec_token_ids, request.draft_probs = [], None
+
+
+class NgramProposer:
+    """Prompt lookup: find the latest earlier occurrence of the request's last n tokens (n from
+    max_n down to min_n) in its own prompt and output, and propose the tokens that followed."""
+
+    def __init__(self, min_n: int = 1, max_n: int = 4):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"ngram sizes need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, sched: SchedulerOutput, tables: dict[Request, list[int]]) -> None:
+        clear_drafts(sched)
+        for request, k in zip(sched.requests, sched.num_drafts, strict=True):
+            if k:
+                request.spec_token_ids = self.lookup(request.token_ids, k)
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        arr = np.asarray(tokens)
+        length = len(arr)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            suffix = arr[length - n :]
+            # Candidate starts i < length - n whose n tokens equal the suffix.
+            windows = np.lib.stride_tricks.sliding_window_view(arr[: length - 1], n)
+            hits = np.flatnonzero((windows == suffix).all(axis=1))
+            if len(hits):
+                follow = int(hits[-1]) + n
+                return arr[follow : follow + k].tolist()
+        return []
