@@ -33,7 +33,21 @@ FINISH_REASONS = {
 }
 
 
-class Request:
+class TokenHistory:
+    """Output counts derived from `token_ids` (prompt + output) and `num_prompt_tokens`."""
+
+    __slots__ = ()
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+
+class Request(TokenHistory):
     def __init__(
         self,
         request_id: str,
@@ -82,14 +96,6 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def is_finished(self) -> bool:

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.request import Request
+from engine.request import Request, TokenHistory
 
 NEG_INF = float("-inf")
 
 
-class RequestAt:
+class RequestAt(TokenHistory):
     """A request as the logits pipeline sees it at draft position j: its tokens plus the first j
     drafts. Penalties and min_tokens bans for verifying draft j depend on the drafts before it,
     exactly as they would had those tokens been sampled one by one."""
@@ -34,14 +34,6 @@ class RequestAt:
         self.params = request.params
         self.eos_token_ids = request.eos_token_ids
         self.num_prompt_tokens = request.num_prompt_tokens
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def generator(self) -> torch.Generator | None:
