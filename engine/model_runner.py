@@ -123,7 +123,7 @@ class ModelRunner:
 
     def _sample(self, hidden: torch.Tensor, verify_rows, result: StepResult) -> None:
         """verify_rows: (request, row of its last real token); its drafts' rows follow."""
-        rows, views, spans = [], [], []
+        rows, views, spans, span_members = [], [], [], []
         for request, row in verify_rows:
             members = [request]
             if request.siblings and request.num_output_tokens == 0:
@@ -140,6 +140,7 @@ class ModelRunner:
                         member.generator,
                     )
                 )
+                span_members.append(member)
                 for j in range(len(drafts) + 1):
                     rows.append(row + j)
                     views.append(RequestAt(member, drafts[:j]) if j else member)
@@ -149,23 +150,21 @@ class ModelRunner:
         logits = logits[:, : self.cfg.vocab_size]
         batch = SamplingBatch.from_requests(views, self.cfg.vocab_size)
         verdicts = verify(process_logits(logits, batch), spans, self.generator)
-        members = [v.request if isinstance(v, RequestAt) else v for v in views]
-        lp_rows, lp_tokens = [], []
-        for span, verdict in zip(spans, verdicts, strict=True):
-            member = members[span.start]
+        lp_rows, lp_tokens, lp_members = [], [], []
+        for span, member, verdict in zip(spans, span_members, verdicts, strict=True):
             result.sampled.append((member, verdict.tokens))
             if span.drafts:
                 result.num_accepted[member] = verdict.num_accepted
             if member.params.logprobs is not None:
                 lp_rows += range(span.start, span.start + len(verdict.tokens))
                 lp_tokens += verdict.tokens
+                lp_members += [member] * len(verdict.tokens)
         if lp_rows:
             idx = torch.tensor(lp_rows)
-            num_top = max(members[i].params.logprobs for i in lp_rows)
+            num_top = max(m.params.logprobs for m in lp_members)
             lp = torch.log_softmax(logits[idx], dim=-1)
             chosen, rank, values, ids = top_logprobs(lp, torch.tensor(lp_tokens), num_top)
-            for j, (i, token) in enumerate(zip(lp_rows, lp_tokens, strict=True)):
-                member = members[i]
+            for j, (member, token) in enumerate(zip(lp_members, lp_tokens, strict=True)):
                 entry = logprob_entry(
                     token, chosen[j], rank[j], values[j], ids[j], member.params.logprobs
                 )

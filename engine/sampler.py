@@ -137,18 +137,28 @@ def sample(
     greedy_tokens = processed.argmax(dim=-1)
     if batch.all_greedy:
         return greedy_tokens
-    probs = processed.softmax(dim=-1)
+    generators = [r.generator for r in batch.requests]
+    random_tokens = exponential_race(processed.softmax(dim=-1), generators, generator)
+    return torch.where(batch.is_greedy, greedy_tokens, random_tokens)
+
+
+def exponential_race(
+    probs: torch.Tensor,  # [M, V]
+    generators: list[torch.Generator | None],  # [M] a row's own (seeded) generator, or None
+    generator: torch.Generator | None,  # shared by the rows without their own
+) -> torch.Tensor:  # [M] int64
+    """One categorical draw per row: argmax p / E with E ~ Exp(1). Rows without a generator
+    share one batched draw; a seeded row draws V exponentials from its own generator."""
     noise = torch.empty_like(probs)
-    unseeded = [i for i, r in enumerate(batch.requests) if r.generator is None]
+    unseeded = [i for i, g in enumerate(generators) if g is None]
     if unseeded:
         noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(
             generator=generator
         )
-    for i, r in enumerate(batch.requests):
-        if r.generator is not None:
-            noise[i].exponential_(generator=r.generator)
-    random_tokens = (probs / noise).argmax(dim=-1)
-    return torch.where(batch.is_greedy, greedy_tokens, random_tokens)
+    for i, g in enumerate(generators):
+        if g is not None:
+            noise[i].exponential_(generator=g)
+    return (probs / noise).argmax(dim=-1)
 
 
 def top_logprobs(

@@ -14,7 +14,8 @@ speculation). Walking the drafts in order:
   sample (n-gram lookup, greedy draft model) has one-hot q: accept with probability p_j(x_j),
   residual = p_j with x_j removed.
 
-With d = 0 this is plain sampling, so every request goes through the same function.
+With d = 0 this is plain sampling, so every request goes through the same function; those rows
+share the sampler's batched `exponential_race`.
 
 Random draws per request, in order: d uniforms, then one exponential vector for the emitted
 token (the exponential race: argmax w / E is a draw from w / sum w). A seeded request draws
@@ -26,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from engine.sampler import exponential_race
 
 
 @dataclass(slots=True)
@@ -57,14 +60,21 @@ def verify(
 ) -> list[VerifyResult]:
     vocab = processed.shape[1]
     argmax = processed.argmax(dim=-1).tolist()  # [R]
-    results: list[VerifyResult] = []
-    sampled = [i for i, r in enumerate(rows) if not r.greedy]
-    probs = None
-    if sampled:
+    probs, drawn = None, {}
+    if not all(r.greedy for r in rows):
         probs = processed.softmax(dim=-1)  # [R, V]; greedy rows unused
-    for row in rows:
+        # Sampled rows without drafts: plain sampling, one batched race (the sampler's own).
+        plain = [i for i, r in enumerate(rows) if not r.greedy and not r.drafts]
+        if plain:
+            idx = torch.tensor([rows[i].start for i in plain])
+            tokens = exponential_race(probs[idx], [rows[i].generator for i in plain], generator)
+            drawn = dict(zip(plain, tokens.tolist(), strict=True))
+    results: list[VerifyResult] = []
+    for i, row in enumerate(rows):
         if row.greedy:
             results.append(_verify_greedy(row, argmax))
+        elif i in drawn:
+            results.append(VerifyResult([drawn[i]], 0))
         else:
             results.append(_verify_sampled(row, probs, vocab, generator))
     return results

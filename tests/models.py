@@ -68,3 +68,17 @@ def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, std: float =
     model.save_pretrained(path)
     byte_tokenizer().save_pretrained(path)
     return path
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """HF `generate()` greedy ids for exactly n new tokens (EOS masked like min_tokens=n)."""
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),  # never infer padding from token ids
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        pad_token_id=model.config.eos_token_id,
+    )
+    return out[0, len(prompt) :].tolist()

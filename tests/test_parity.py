@@ -7,23 +7,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from models import make_tiny_model
+from models import hf_greedy, make_tiny_model
 
 PROMPT_LENS = [1, 2, 15, 16, 17, 33, 100, 250, 488]
 NEW_TOKENS = 20
-
-
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),  # never infer padding from token ids
-        max_new_tokens=n,
-        min_new_tokens=n,
-        do_sample=False,
-        pad_token_id=model.config.eos_token_id,
-    )
-    return out[0, len(prompt) :].tolist()
 
 
 def random_prompts(lens: list[int], seed: int = 0, high: int = 256) -> list[list[int]]:

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.models.registry import EMBEDDED_MODELS, ModelNotFoundError, resolve_model
+from models import hf_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -32,19 +33,9 @@ def model_dir(name: str):
         pytest.skip(f"{name} not installed: {EMBEDDED_MODELS[name].pip_command}")
 
 
-def hf_greedy(path, prompts: list[list[int]], n: int) -> list[list[int]]:
+def hf_outputs(path, prompts: list[list[int]], n: int) -> list[list[int]]:
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    outs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-        )
-        outs.append(out[0, len(prompt) :].tolist())
+    outs = [hf_greedy(model, prompt, n) for prompt in prompts]
     del model
     gc.collect()
     return outs
@@ -59,7 +50,7 @@ def test_qwen_coder_parity_with_hf(name):
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     del llm
     gc.collect()
-    assert ours == hf_greedy(path, prompts, NEW_TOKENS)
+    assert ours == hf_outputs(path, prompts, NEW_TOKENS)
 
 
 def test_qwen_draft_pair_is_lossless():
