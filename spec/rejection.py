@@ -10,16 +10,22 @@ speculation). Walking the drafts in order:
 - sampled request: draft x_j, proposed with probability q_j(x_j), is accepted with probability
   min(1, p_j(x_j) / q_j(x_j)); on rejection the emitted token is drawn from the normalised residual
   max(p_j - q_j, 0); after d acceptances the bonus is drawn from p_d. Each emitted token is then
-  distributed exactly as p (Leviathan et al. 2023, Chen et al. 2023). A proposer that does not
-  sample (n-gram lookup, greedy draft model) has one-hot q: accept with probability p_j(x_j),
-  residual = p_j with x_j removed.
+  distributed exactly as p (Leviathan et al. 2023, Chen et al. 2023);
+- sampled request whose proposer does not sample (n-gram lookup, greedy draft model: q one-hot):
+  at each position draw the token y_j that plain sampling would draw from p_j, and accept the
+  draft iff y_j == x_j; the first mismatch emits y_j. That accepts with probability p_j(x_j) and
+  on rejection emits a draw from p_j without x_j, the one-hot residual, so it is the same
+  lossless test; and since it consumes exactly the random numbers plain sampling would, one
+  exponential vector per emitted token, a seeded request emits the very tokens it would emit
+  without speculation, whatever k and whatever its neighbours.
 
 With d = 0 this is plain sampling, so every request goes through the same function; those rows
 share the sampler's batched `exponential_race`.
 
-Random draws per request, in order: d uniforms, then one exponential vector for the emitted
-token (the exponential race: argmax w / E is a draw from w / sum w). A seeded request draws
-from its own generator, so its tokens do not depend on its neighbours in the batch.
+Random draws (the exponential race: argmax w / E with E ~ Exp(1) is a draw from w / sum w): a
+sampled q costs d uniforms then one exponential vector; one-hot drafts one exponential vector
+per emitted token. A seeded request draws from its own generator, so its tokens do not depend on
+its neighbours in the batch.
 """
 
 from __future__ import annotations
@@ -95,20 +101,17 @@ def _verify_sampled(
     row: VerifyRow, probs: torch.Tensor, vocab: int, generator: torch.Generator | None
 ) -> VerifyResult:
     gen = row.generator if row.generator is not None else generator
+    if row.draft_probs is None:
+        return _verify_one_hot(row, probs, vocab, gen)
     d = len(row.drafts)
     uniforms = torch.rand(d, generator=gen).tolist() if d else []
     tokens = []
     for j, draft in enumerate(row.drafts):
         p = probs[row.start + j]
-        q_x = 1.0 if row.draft_probs is None else float(row.draft_probs[j, draft])
-        if uniforms[j] * q_x < float(p[draft]):  # u < p(x) / q(x), without dividing by q = 0
+        if uniforms[j] * float(row.draft_probs[j, draft]) < float(p[draft]):  # u < p / q
             tokens.append(draft)
             continue
-        if row.draft_probs is None:
-            residual = p.clone()
-            residual[draft] = 0.0
-        else:
-            residual = (p - row.draft_probs[j]).clamp_(min=0.0)
+        residual = (p - row.draft_probs[j]).clamp_(min=0.0)
         if not float(residual.sum()) > 0.0:  # p == q up to rounding: fall back to p itself
             residual = p
         noise = torch.empty(vocab).exponential_(generator=gen)
@@ -117,3 +120,17 @@ def _verify_sampled(
     noise = torch.empty(vocab).exponential_(generator=gen)
     tokens.append(_race(probs[row.start + d], noise))
     return VerifyResult(tokens, d)
+
+
+def _verify_one_hot(
+    row: VerifyRow, probs: torch.Tensor, vocab: int, gen: torch.Generator | None
+) -> VerifyResult:
+    """Deterministic drafts: sample each position as plain decoding would, keep going while the
+    sample equals the draft."""
+    tokens = []
+    for j in range(len(row.drafts) + 1):
+        noise = torch.empty(vocab).exponential_(generator=gen)
+        tokens.append(_race(probs[row.start + j], noise))
+        if j == len(row.drafts) or tokens[-1] != row.drafts[j]:
+            break
+    return VerifyResult(tokens, len(tokens) - 1)

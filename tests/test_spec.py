@@ -9,6 +9,7 @@ k + 1 tokens per step).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -195,6 +196,40 @@ def test_seeded_sampling_same_batched_as_alone(tiny_llama, draft_model, method):
     for prompt, p, want in zip(batch_prompts, ps, batched, strict=True):
         alone = LLM(str(tiny_llama), num_kv_blocks=256, num_speculative_tokens=3, **args)
         assert alone.generate([prompt], p, use_tqdm=False)[0].outputs[0].token_ids == want
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft", "self"])
+def test_seeded_sampling_same_with_and_without_speculation(tiny_llama, draft_model, method):
+    """Deterministic drafts are verified by drawing what plain sampling would draw at each
+    position, so a seeded request emits the same tokens with speculation as without, at any k."""
+    ps = [
+        SamplingParams(
+            temperature=1.0,
+            top_k=[0, 20][i % 2],
+            min_p=0.02,
+            repetition_penalty=1.1,
+            seed=40 + i,
+            max_tokens=20,
+            ignore_eos=True,
+        )
+        for i in range(12)
+    ]
+    batch_prompts = prompts()[:12]
+    plain = LLM(str(tiny_llama), num_kv_blocks=256)
+    want = [o.outputs[0].token_ids for o in plain.generate(batch_prompts, ps, use_tqdm=False)]
+    for k in (1, 4):
+        llm = LLM(
+            str(tiny_llama),
+            num_kv_blocks=256,
+            num_speculative_tokens=k,
+            **spec_args(method, tiny_llama, draft_model),
+        )
+        outs = llm.generate(batch_prompts, ps, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want, k
+        assert llm.engine.spec_stats.num_accepted > 0
+    reseeded = [dataclasses.replace(p, seed=p.seed + 1) for p in ps]
+    again = plain.generate(batch_prompts, reseeded, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] != want  # the seeds matter
 
 
 def test_random_aborts_mid_speculation_return_every_block(tiny_llama, draft_model):
