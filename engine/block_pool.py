@@ -6,6 +6,8 @@ Invariants:
   order (least recently freed first), so a freed block that still holds a cached prefix stays
   reusable by hash until allocation pressure reaches it: that is the LRU eviction.
 - `cached` maps a chained block hash to the one block that holds those tokens' KV.
+- `draft_ready[b]`: block b is full and also holds the draft model's KV for its tokens (the
+  draft runs only for requests that speculate, so it may lag); cleared when b is reallocated.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.ref_counts = [0] * num_blocks
         self.block_hashes: list[bytes | None] = [None] * num_blocks
+        self.draft_ready = [False] * num_blocks
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self.cached: dict[bytes, int] = {}
         self.num_evictions = 0
@@ -60,6 +63,7 @@ class BlockPool:
             block, _ = self.free_queue.popitem(last=False)
             self._evict(block)
             self.ref_counts[block] = 1
+            self.draft_ready[block] = False
             blocks.append(block)
         return blocks
 

@@ -26,9 +26,12 @@ class EngineConfig:
     # Speculative decoding: "ngram" (prompt lookup) or "draft" (a draft model; setting
     # draft_model alone implies it). num_speculative_tokens is the default k per request
     # (SamplingParams.num_speculative_tokens overrides it; 0 turns speculation off for one).
+    # adaptive_speculation: num_speculative_tokens becomes a cap, and each step every request
+    # without its own k gets the k that maximises the expected tokens per second (spec.adaptive).
     speculative_method: str | None = None
     draft_model: str | None = None  # embedded name or a local HF directory
     num_speculative_tokens: int = 4
+    adaptive_speculation: bool = True
     ngram_min: int = 2
     ngram_max: int = 4
 

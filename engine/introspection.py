@@ -27,7 +27,7 @@ def snapshot(engine) -> dict:
                 "num_computed_tokens": request.num_computed_tokens,
                 "num_cached_tokens": max(0, request.num_cached_tokens),
                 "block_table": list(table),
-                "spec": request.spec.as_dict(),
+                "spec": request.spec.as_dict() | {"k": request.num_spec_wanted},
             }
         )
     blocks = {
@@ -67,5 +67,6 @@ def snapshot(engine) -> dict:
             **engine.spec_stats.as_dict(),
             "draft_seconds": engine.spec_time["draft"],
             "verify_seconds": engine.spec_time["verify"],
+            "adaptive": engine.adaptive.describe() if engine.adaptive is not None else None,
         },
     }

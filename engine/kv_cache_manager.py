@@ -66,18 +66,29 @@ class KVCacheManager:
             table.extend(self.pool.allocate(num_new_blocks))
         return True, copy
 
-    def cache_computed_blocks(self, request: Request, num_computed: int | None = None) -> None:
-        """Register the request's full blocks within its first num_computed tokens (whose KV
-        every model that shares the tables has written) in the prefix cache."""
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Register the request's full, computed blocks in the prefix cache."""
         if not self.enable_prefix_caching:
             return
         table = self.block_tables.get(request, [])
-        if num_computed is None:
-            num_computed = request.num_computed_tokens
-        num_full = num_computed // self.block_size
+        num_full = request.num_computed_tokens // self.block_size
         hashes = request.full_block_hashes()
         for i in range(min(num_full, len(hashes), len(table))):
             self.pool.cache_block(table[i], hashes[i])
+
+    def mark_draft_computed(self, request: Request) -> None:
+        """Flag the request's full blocks within its draft-computed tokens as holding the draft
+        model's KV too, so a prefix hit on them spares the draft its catch-up."""
+        table = self.block_tables.get(request, [])
+        for block in table[: request.num_draft_computed // self.block_size]:
+            self.pool.draft_ready[block] = True
+
+    def num_draft_ready(self, blocks: list[int]) -> int:
+        """Leading blocks of a prefix hit whose draft KV is valid."""
+        n = 0
+        while n < len(blocks) and self.pool.draft_ready[blocks[n]]:
+            n += 1
+        return n
 
     def trim(self, request: Request) -> None:
         """Free the blocks past the request's computed tokens (slots of rejected drafts)."""

@@ -7,7 +7,7 @@ import time
 import torch
 from transformers import AutoTokenizer
 
-from engine.config import EngineConfig
+from engine.config import MAX_SPECULATIVE_TOKENS, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.introspection import snapshot
 from engine.kv_cache_manager import KVCacheManager
@@ -17,10 +17,11 @@ from engine.models.registry import resolve_model
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from engine.request import FINISH_REASONS, Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
+from spec.adaptive import AdaptiveSpeculation, Candidate
 from spec.draft_model import DraftModelProposer
 from spec.metrics import SpecStats
-from spec.proposer import NgramProposer, Proposer
+from spec.proposer import ForcedTokens, NgramProposer, Proposer
 
 
 class RequestGroup:
@@ -79,6 +80,10 @@ class LLMEngine:
             self.proposer = DraftModelProposer(self.draft_runner)
         elif config.spec_method == "ngram":
             self.proposer = NgramProposer(config.ngram_min, config.ngram_max)
+        self.forced_tokens: ForcedTokens | None = None  # e.g. a grammar's forced tokens
+        self.adaptive: AdaptiveSpeculation | None = None
+        if self.proposer is not None and config.adaptive_speculation:
+            self.adaptive = AdaptiveSpeculation(uses_draft_model=draft is not None)
         self.spec_stats = SpecStats()
         self.spec_time = {"draft": 0.0, "verify": 0.0}
         self.groups: dict[str, RequestGroup] = {}
@@ -174,44 +179,97 @@ class LLMEngine:
             return []
         tables = self.kv.block_tables
         t0 = time.perf_counter()
-        if self.proposer is not None:
-            self.proposer.propose(sched, tables)
-            for i, request in enumerate(sched.requests):
-                # A proposer may return fewer drafts than the slots reserved.
-                num_drafts = len(request.spec_token_ids)
-                sched.num_new_tokens[i] -= sched.num_drafts[i] - num_drafts
-                sched.num_drafts[i] = num_drafts
+        if self.proposer is not None or self.forced_tokens is not None:
+            self._propose(sched, tables)
         t1 = time.perf_counter()
         result = self.runner.execute(sched, tables)
+        t2 = time.perf_counter()
         self.spec_time["draft"] += t1 - t0
-        self.spec_time["verify"] += time.perf_counter() - t1
+        self.spec_time["verify"] += t2 - t1
+        self._observe_costs(sched.total_tokens, t2 - t1)
         for request, n, k in sched.scheduled():
             num_accepted = result.num_accepted.get(request, 0)
             request.num_computed_tokens += n - k + num_accepted
             if k:  # reclaim the slots of rejected drafts
                 self.kv.trim(request)
-                request.spec.record(k, num_accepted)
-                self.spec_stats.record(k, num_accepted)
+                num_forced = min(len(request.forced_token_ids), k)
+                request.spec.record(k, num_accepted, num_forced)
+                self.spec_stats.record(k, num_accepted, num_forced)
+                if self.adaptive is not None and num_accepted >= num_forced:
+                    # The proposer's share: its drafts were judged only if the forced ones held.
+                    self.adaptive.observe_verification(
+                        request.acceptance, k - num_forced, num_accepted - num_forced
+                    )
                 request.spec_token_ids, request.draft_probs = [], None
-            request.num_draft_computed = min(
-                request.num_draft_computed, request.num_computed_tokens
-            )
-            cacheable = request.num_computed_tokens
-            if self.draft_runner is not None:
-                cacheable = request.num_draft_computed
-            self.kv.cache_computed_blocks(request, cacheable)
+                if self.draft_runner is not None:
+                    request.num_draft_computed = min(
+                        request.num_draft_computed, request.num_computed_tokens
+                    )
+                    self.kv.mark_draft_computed(request)
+            self.kv.cache_computed_blocks(request)
         touched = self._process_samples(result)
         self.num_steps += 1
         return [self._make_output(g) for g in touched]
 
     def _plan_speculation(self) -> None:
-        """Drafts each running request asks for in the coming step."""
-        if self.proposer is None:
+        """Draft slots each running request asks for in the coming step: its forced tokens,
+        then its own k if it set one, else the engine's (a fixed k, or the adaptive plan
+        capped by it)."""
+        if self.proposer is None and self.forced_tokens is None:
             return
-        default = self.config.num_speculative_tokens
+        default = self.config.num_speculative_tokens if self.proposer is not None else 0
+        adaptive = []
         for request in self.scheduler.running:
-            k = request.params.num_speculative_tokens
+            request.forced_token_ids = []
+            if self.forced_tokens is not None and request.is_decoding:
+                request.forced_token_ids = self.forced_tokens.forced_tokens(
+                    request, MAX_SPECULATIVE_TOKENS
+                )
+            k = request.params.num_speculative_tokens if self.proposer is not None else 0
             request.num_spec_wanted = default if k is None else k
+            if k is None and self.adaptive is not None and request.is_decoding:
+                adaptive.append(request)
+        if adaptive:
+            self._plan_adaptive(adaptive, default)
+        for request in self.scheduler.running:
+            if request.forced_token_ids:
+                request.num_spec_wanted = min(
+                    len(request.forced_token_ids) + request.num_spec_wanted,
+                    MAX_SPECULATIVE_TOKENS,
+                )
+
+    def _plan_adaptive(self, requests: list[Request], cap: int) -> None:
+        candidates = []
+        for request in requests:
+            room = min(cap, request.max_output_tokens - request.num_output_tokens - 1)
+            lag = request.num_tokens - request.num_draft_computed
+            acceptance = self.adaptive.acceptance(request.acceptance)
+            candidates.append(Candidate(acceptance, max(room, 0), min(lag, room + 1)))
+        for request, k in zip(requests, self.adaptive.plan(candidates), strict=True):
+            request.num_spec_wanted = k
+            if k == 0:  # not drafting teaches nothing: drift back towards the engine's rate
+                self.adaptive.idle(request.acceptance)
+
+    def _propose(self, sched: SchedulerOutput, tables: dict[Request, list[int]]) -> None:
+        """Fill the draft slots: forced tokens first, then the proposer's drafts; give back the
+        slots a request did not fill."""
+        for request, _, k in sched.scheduled():
+            request.spec_token_ids = request.forced_token_ids[:k]
+        if self.proposer is not None:
+            self.proposer.propose(sched, tables)
+        for i, request in enumerate(sched.requests):
+            num_drafts = len(request.spec_token_ids)
+            sched.num_new_tokens[i] -= sched.num_drafts[i] - num_drafts
+            sched.num_drafts[i] = num_drafts
+
+    def _observe_costs(self, num_tokens: int, target_seconds: float) -> None:
+        """Feed this step's measured times to the adaptive planner's cost fits."""
+        pass_times = self.proposer.pass_times if self.draft_runner is not None else []
+        if self.adaptive is not None:
+            self.adaptive.target.observe(num_tokens, target_seconds)
+            for rows, seconds in pass_times:
+                self.adaptive.draft.observe(rows, seconds)
+        pass_times.clear()
 
     def _process_samples(self, result: StepResult) -> list[RequestGroup]:
         touched: dict[str, RequestGroup] = {}
@@ -299,7 +357,7 @@ class LLMEngine:
             group.metrics.finished_time = time.monotonic()
         group.metrics.num_cached_tokens = max(0, leader.num_cached_tokens)
         group.metrics.num_preemptions = sum(r.num_preemptions for r in group.requests)
-        if self.proposer is not None:
+        if self.proposer is not None or self.forced_tokens is not None:
             group.metrics.spec = SpecStats.merged(r.spec for r in group.requests)
         return RequestOutput(
             request_id=group.request_id,

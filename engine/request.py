@@ -9,6 +9,7 @@ import torch
 
 from engine.block_pool import hash_block
 from engine.sampling_params import SamplingParams
+from spec.adaptive import Acceptance
 from spec.metrics import SpecStats
 
 
@@ -84,14 +85,23 @@ class Request(TokenHistory):
         self.prompt_logprobs: list = []  # per prompt position, when params.prompt_logprobs is set
         self.cumulative_logprob = 0.0
         self.siblings: list[Request] = []  # n > 1: requests forked from this leader
-        # Speculation. num_spec_wanted: drafts to ask for next step (set by the engine's policy);
+        # Speculation. num_spec_wanted: draft slots to ask for next step (set by the engine);
+        # forced_token_ids: tokens a constraint forces next, verified ahead of the proposals;
         # spec_token_ids / draft_probs: this step's drafts ([d, V] q, None when one-hot);
-        # num_draft_computed: tokens whose KV the draft model holds (it may lag the target).
+        # num_draft_computed: tokens whose KV the draft model holds (it may lag the target);
+        # acceptance: the decayed outcomes adaptive speculation plans with.
         self.num_spec_wanted = 0
+        self.forced_token_ids: list[int] = []
         self.spec_token_ids: list[int] = []
         self.draft_probs: torch.Tensor | None = None
         self.num_draft_computed = 0
         self.spec = SpecStats()
+        self.acceptance = Acceptance()
+
+    @property
+    def is_decoding(self) -> bool:
+        """Every token but the last is computed: next step is a decode (or a verification)."""
+        return self.num_tokens - self.num_computed_tokens == 1
 
     @property
     def num_tokens(self) -> int:

@@ -75,7 +75,7 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
             request.num_computed_tokens = num_cached
-            request.num_draft_computed = num_cached  # cached blocks hold the draft's KV too
+            request.num_draft_computed = self.kv.num_draft_ready(prefix) * self.kv.block_size
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._emit(out, request, num_new, 0, copy)
@@ -86,7 +86,7 @@ class Scheduler:
     def _draft_slots(request: Request, num_new: int, budget: int) -> int:
         """Draft tokens to verify after a decode token: what the request wants, within the
         budget and never past what it may still emit (k drafts can yield k + 1 tokens)."""
-        if num_new != 1 or request.num_tokens - request.num_computed_tokens != 1:
+        if num_new != 1 or not request.is_decoding:
             return 0
         room = request.max_output_tokens - request.num_output_tokens - 1
         return max(0, min(request.num_spec_wanted, budget - 1, room))

@@ -1,10 +1,13 @@
 """Draft-model proposer: a smaller model with its own paged KV cache, addressed by the target's
 block tables (the same block ids and slots, a second set of KV tensors).
 
-Each step it first runs the tokens the target computes this step (prefill chunks and decode
-tokens, plus whatever it lags behind after the last verification), which keeps its KV in step
-with the target's so that prefix-cached blocks hold valid KV for both models; then it extends
-every request that has draft slots by one greedy token per pass, k passes in all. Its logits go
+It runs only for the requests that have draft slots this step: a first pass catches up on every
+token the target has accepted since the draft last ran (the whole prompt the first time, the
+accepted drafts and bonus token after that) and proposes the first draft; k - 1 more passes
+extend each request by one greedy token. A request that does not speculate (k = 0, e.g. adaptive
+speculation switched off under load) costs the draft nothing; it lags, and catches up when it
+speculates again. Full blocks it has computed are flagged in the block pool, so a prefix-cache hit
+knows how much of the draft's KV it inherits. Its logits go
 through the request's own logits pipeline (bias, bans, penalties) before the argmax, so it does
 not propose what the target cannot emit. Greedy drafts make q one-hot; the verifier stays
 lossless for sampled requests all the same.
@@ -12,44 +15,54 @@ lossless for sampled requests all the same.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from engine.model_runner import ForwardItem, ModelRunner
 from engine.request import Request
 from engine.sampler import RequestAt, SamplingBatch, process_logits
 from engine.scheduler import SchedulerOutput
-from spec.proposer import clear_drafts
+from spec.proposer import drafts_wanted
 
 
 class DraftModelProposer:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
+        self.pass_times: list[tuple[int, float]] = []  # (rows, seconds) per pass, for the engine
 
     @torch.inference_mode()
     def propose(self, sched: SchedulerOutput, tables: dict[Request, list[int]]) -> None:
-        clear_drafts(sched)
         self.runner.copy_blocks(sched.block_copies)
-        items, last_rows, wanting, row = [], [], [], 0
-        for request, n, k in sched.scheduled():
-            end = request.num_computed_tokens + n - k  # the target's count after this step
-            start = min(request.num_draft_computed, end - 1)
-            items.append(ForwardItem(request, start, request.token_ids[start:end]))
-            row += end - start
-            request.num_draft_computed = end
-            if k:
-                last_rows.append(row - 1)
-                wanting.append((request, k))
-        hidden = self.runner.forward(items, tables)
+        wanting = list(drafts_wanted(sched))
         if not wanting:
             return
+        items, last_rows, row = [], [], 0
+        for request, _ in wanting:
+            # The target's tokens up to this decode, then any forced drafts already in place.
+            end = request.num_tokens
+            start = min(request.num_draft_computed, end - 1)
+            tokens = request.token_ids[start:end] + request.spec_token_ids
+            items.append(ForwardItem(request, start, tokens))
+            row += len(tokens)
+            last_rows.append(row - 1)
+            request.num_draft_computed = start + len(tokens)
+        t0 = time.perf_counter()
+        hidden = self.runner.forward(items, tables)
         self._extend(hidden[torch.tensor(last_rows)], [r for r, _ in wanting])
+        self.pass_times.append((row, time.perf_counter() - t0))
         for step in range(1, max(k for _, k in wanting)):
+            t0 = time.perf_counter()
             active = [r for r, k in wanting if k > step]
-            items = [ForwardItem(r, r.num_tokens - 1 + step, r.spec_token_ids[-1:]) for r in active]
+            items = [
+                ForwardItem(r, r.num_tokens + len(r.spec_token_ids) - 1, r.spec_token_ids[-1:])
+                for r in active
+            ]
             hidden = self.runner.forward(items, tables)
             for r in active:
                 r.num_draft_computed += 1
             self._extend(hidden, active)
+            self.pass_times.append((len(active), time.perf_counter() - t0))
 
     def _extend(self, hidden: torch.Tensor, requests: list[Request]) -> None:
         """Append each request's next greedy draft, under its own logits pipeline."""

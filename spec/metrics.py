@@ -10,6 +10,8 @@ class SpecStats:
     num_steps: int = 0  # verification steps that carried at least one draft
     num_drafts: int = 0  # draft tokens proposed and verified
     num_accepted: int = 0
+    num_forced: int = 0  # drafts that were forced tokens (e.g. by a grammar), not proposals
+    num_forced_accepted: int = 0
     drafted_at: list[int] = field(default_factory=list)  # [j]: steps with a draft at position j
     accepted_at: list[int] = field(default_factory=list)  # [j]: ... whose draft j was accepted
 
@@ -20,6 +22,8 @@ class SpecStats:
             total.num_steps += part.num_steps
             total.num_drafts += part.num_drafts
             total.num_accepted += part.num_accepted
+            total.num_forced += part.num_forced
+            total.num_forced_accepted += part.num_forced_accepted
             for name in ("drafted_at", "accepted_at"):
                 mine, theirs = getattr(total, name), getattr(part, name)
                 mine += [0] * (len(theirs) - len(mine))
@@ -27,15 +31,18 @@ class SpecStats:
                     mine[j] += v
         return total
 
-    def record(self, num_drafts: int, num_accepted: int) -> None:
-        """One verification: the first num_accepted of num_drafts drafts were accepted."""
+    def record(self, num_drafts: int, num_accepted: int, num_forced: int = 0) -> None:
+        """One verification: the first num_accepted of num_drafts drafts were accepted; the
+        first num_forced drafts were forced tokens."""
         if num_drafts == 0:
             return
-        if not 0 <= num_accepted <= num_drafts:
-            raise ValueError(f"accepted {num_accepted} of {num_drafts} drafts")
+        if not 0 <= num_accepted <= num_drafts or not 0 <= num_forced <= num_drafts:
+            raise ValueError(f"accepted {num_accepted}, forced {num_forced} of {num_drafts}")
         self.num_steps += 1
         self.num_drafts += num_drafts
         self.num_accepted += num_accepted
+        self.num_forced += num_forced
+        self.num_forced_accepted += min(num_forced, num_accepted)
         grow = num_drafts - len(self.drafted_at)
         if grow > 0:
             self.drafted_at += [0] * grow
@@ -62,6 +69,8 @@ class SpecStats:
             "num_steps": self.num_steps,
             "num_drafts": self.num_drafts,
             "num_accepted": self.num_accepted,
+            "num_forced": self.num_forced,
+            "num_forced_accepted": self.num_forced_accepted,
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_length": self.mean_accepted_length,
             "acceptance_by_position": self.acceptance_by_position,

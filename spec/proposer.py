@@ -1,9 +1,11 @@
-"""What the engine asks of a proposer, and the n-gram (prompt lookup) proposer.
+"""What the engine asks of a proposer and of a forced-token source; the n-gram proposer.
 
 After the scheduler has reserved up to k draft slots for a request (`SchedulerOutput.num_drafts`),
-`propose` fills `request.spec_token_ids` with at most that many tokens and `request.draft_probs`
-with their proposal distribution q ([d, V]) or None when the proposal is deterministic. The
-verifier is lossless whatever a proposer returns; proposers only decide how much is accepted.
+the engine puts the request's forced tokens first in `request.spec_token_ids` (tokens a grammar
+allows alone: free drafts, no proposer work), and `propose` extends the list to at most k tokens,
+setting `request.draft_probs` to the proposal distribution q ([d, V]) or None when the proposal
+is deterministic. The verifier is lossless whatever a proposer returns; proposers only decide
+how much is accepted.
 """
 
 from __future__ import annotations
@@ -20,9 +22,19 @@ class Proposer(Protocol):
     def propose(self, sched: SchedulerOutput, tables: dict[Request, list[int]]) -> None: ...
 
 
-def clear_drafts(sched: SchedulerOutput) -> None:
-    for request in sched.requests:
-        request.spec_token_ids, request.draft_probs = [], None
+class ForcedTokens(Protocol):
+    """The tokens a request must emit next whatever the model computes, at most `limit` (a
+    grammar with a single allowed token, or its jump-forward string). They ride in the draft
+    slots ahead of the proposer's drafts and are verified like them."""
+
+    def forced_tokens(self, request: Request, limit: int) -> list[int]: ...
+
+
+def drafts_wanted(sched: SchedulerOutput):
+    """(request, drafts still to propose) for every request with draft slots left."""
+    for request, _, k in sched.scheduled():
+        if k > len(request.spec_token_ids):
+            yield request, k - len(request.spec_token_ids)
 
 
 class NgramProposer:
@@ -35,10 +47,8 @@ class NgramProposer:
         self.min_n, self.max_n = min_n, max_n
 
     def propose(self, sched: SchedulerOutput, tables: dict[Request, list[int]]) -> None:
-        clear_drafts(sched)
-        for request, k in zip(sched.requests, sched.num_drafts, strict=True):
-            if k:
-                request.spec_token_ids = self.lookup(request.token_ids, k)
+        for request, k in drafts_wanted(sched):
+            request.spec_token_ids += self.lookup(request.token_ids + request.spec_token_ids, k)
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         arr = np.asarray(tokens)

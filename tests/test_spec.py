@@ -53,11 +53,12 @@ def reference(tiny_llama):
 
 
 def spec_args(method: str, tiny_llama, draft_model) -> dict:
+    """A fixed k per step (adaptive speculation has its own tests in test_adaptive.py)."""
     return {
         "ngram": {"speculative_method": "ngram"},
         "draft": {"draft_model": str(draft_model)},
         "self": {"draft_model": str(tiny_llama)},
-    }[method]
+    }[method] | {"adaptive_speculation": False}
 
 
 def run(tiny_llama, draft_model, method, **engine_args):
@@ -126,7 +127,9 @@ def test_greedy_lossless_under_preemption(
 
 
 def test_self_draft_emits_k_plus_one_tokens_per_step(tiny_llama):
-    llm = LLM(str(tiny_llama), num_kv_blocks=64, draft_model=str(tiny_llama))
+    llm = LLM(
+        str(tiny_llama), num_kv_blocks=64, draft_model=str(tiny_llama), adaptive_speculation=False
+    )
     p = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True, num_speculative_tokens=4)
     out = llm.generate([[1, 2, 3]], p, use_tqdm=False)[0]
     # 1 token from the prefill step, then 4 steps x (4 drafts + 1), then the last 4 tokens
@@ -139,7 +142,9 @@ def test_self_draft_emits_k_plus_one_tokens_per_step(tiny_llama):
 
 
 def test_per_request_k_and_off_switch(tiny_llama):
-    llm = LLM(str(tiny_llama), num_kv_blocks=64, draft_model=str(tiny_llama))
+    llm = LLM(
+        str(tiny_llama), num_kv_blocks=64, draft_model=str(tiny_llama), adaptive_speculation=False
+    )
     off = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, num_speculative_tokens=0)
     two = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, num_speculative_tokens=2)
     a, b = llm.generate([[5, 6, 7], [5, 6, 7]], [off, two], use_tqdm=False)
@@ -233,7 +238,9 @@ def test_seeded_sampling_same_with_and_without_speculation(tiny_llama, draft_mod
 
 
 def test_random_aborts_mid_speculation_return_every_block(tiny_llama, draft_model):
-    llm = LLM(str(tiny_llama), num_kv_blocks=64, draft_model=str(draft_model))
+    llm = LLM(
+        str(tiny_llama), num_kv_blocks=64, draft_model=str(draft_model), adaptive_speculation=False
+    )
     engine = llm.engine
     rng = random.Random(3)
     ps = params()
@@ -259,7 +266,13 @@ def test_rejected_drafts_free_their_blocks(tiny_llama, draft_model):
     """With a draft that is almost always wrong, each step allocates room for k drafts and
     gives back the blocks past the accepted length: a running request never holds more blocks
     than its computed tokens need."""
-    llm = LLM(str(tiny_llama), num_kv_blocks=64, draft_model=str(draft_model), block_size=4)
+    llm = LLM(
+        str(tiny_llama),
+        num_kv_blocks=64,
+        draft_model=str(draft_model),
+        adaptive_speculation=False,
+        block_size=4,
+    )
     engine = llm.engine
     engine.add_request(
         "a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
@@ -289,9 +302,48 @@ def test_draft_with_other_vocabulary_is_rejected(tiny_llama, tmp_path):
 
 
 def test_snapshot_reports_speculation(tiny_llama):
-    llm = LLM(str(tiny_llama), num_kv_blocks=64, draft_model=str(tiny_llama))
+    llm = LLM(
+        str(tiny_llama), num_kv_blocks=64, draft_model=str(tiny_llama), adaptive_speculation=False
+    )
     llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
     spec = llm.engine.snapshot()["speculation"]
     assert spec["method"] == "draft" and spec["num_drafts"] > 0
     assert spec["acceptance_rate"] == 1.0 and spec["mean_accepted_length"] > 1.0
     assert spec["draft_seconds"] > 0 and spec["verify_seconds"] > 0
+
+
+# ---- forced tokens (the grammar hook) -------------------------------------------------------
+class ReplayForcer:
+    """Forces the next `m` tokens of each prompt's plain greedy output (every other step), or,
+    when `wrong`, a token the target never picks there: a stand-in for a grammar's forced
+    tokens, right or wrong."""
+
+    def __init__(self, reference: dict[tuple, list[int]], m: int, wrong: bool = False):
+        self.reference, self.m, self.wrong = reference, m, wrong
+
+    def forced_tokens(self, request, limit: int) -> list[int]:
+        done = request.num_output_tokens
+        if done % 2:
+            return []
+        ref = self.reference[tuple(request.prompt_token_ids)][done : done + min(self.m, limit)]
+        return [(t + 1) % 256 for t in ref] if self.wrong else ref
+
+
+@pytest.mark.parametrize("method", [None, "ngram", "draft"])
+@pytest.mark.parametrize("wrong", [False, True])
+def test_forced_tokens_ride_as_free_drafts(tiny_llama, draft_model, reference, method, wrong):
+    ps, chosen = params()[:24], prompts()[:24]
+    by_prompt = {tuple(p): ref for p, ref in zip(chosen, reference[:24], strict=True)}
+    args = {} if method is None else spec_args(method, tiny_llama, draft_model)
+    llm = LLM(str(tiny_llama), num_kv_blocks=256, num_speculative_tokens=2, **args)
+    llm.engine.forced_tokens = ReplayForcer(by_prompt, m=3, wrong=wrong)
+    outs = llm.generate(chosen, ps, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference[:24]
+    stats = llm.engine.spec_stats
+    assert stats.num_forced > 24
+    assert stats.num_forced_accepted == (0 if wrong else stats.num_forced)
+    assert sum(o.metrics.spec.num_forced for o in outs) == stats.num_forced
+    snap = llm.engine.snapshot()
+    assert snap["num_free_blocks"] == snap["num_blocks"]
+    if method is None:  # nothing but forced tokens was drafted
+        assert stats.num_drafts == stats.num_forced

@@ -1,0 +1,160 @@
+"""Adaptive speculation: each step, pick every decoding request's number of drafts k so that the
+expected tokens emitted per second of step time is highest (goodput, as in SmartSpec, Liu et al.
+2024).
+
+Two things are estimated online, nothing is assumed about the machine:
+
+- per request, the probability `a` that a draft is accepted given that the ones before it were:
+  exponentially decayed counts of accepted drafts over verified positions (a rejection ends a
+  step's chain), shrunk towards the engine-wide rate while a request has little history. With
+  k drafts a step emits 1 + a + a^2 + ... + a^k tokens on average: draft j adds a^j;
+- step times as a + b * rows by exponentially weighted least squares: the target's forward (plus
+  sampling and verification) over every token it computes, and, with a draft model, each draft
+  pass over its rows.
+
+A plan starts from no drafts (1 token per decode, the target's time for the decode rows) and adds
+draft positions level by level: at level j the candidates are the requests that took j - 1 drafts,
+best `a` first, and the engine takes the number of them that maximises tokens / seconds, paying b
+per verified row and, with a draft model, the pass's fixed cost once plus its per-row cost (at
+level 1: the tokens the draft must catch up on). When no candidate raises the goodput the plan
+stops: with a large batch, or low acceptance, that is at k = 0, and speculation is off.
+Prefill rows are left out of the comparison: they cost the same with or without drafts.
+
+Until both cost fits have seen rows of at least two different sizes, every request takes its cap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Acceptance:
+    """Decayed counts of one request's (or the engine's) verification outcomes."""
+
+    accepted: float = 0.0
+    trials: float = 0.0  # positions verified: accepted drafts plus the rejection that ended a step
+
+    def observe(self, num_drafts: int, num_accepted: int, decay: float) -> None:
+        if num_drafts == 0:
+            return
+        self.accepted = decay * self.accepted + num_accepted
+        self.trials = decay * self.trials + num_accepted + (num_accepted < num_drafts)
+
+    def rate(self, prior: float, prior_weight: float) -> float:
+        return (self.accepted + prior * prior_weight) / (self.trials + prior_weight)
+
+
+class LinearCost:
+    """seconds ~ fixed + per_row * rows, fitted by exponentially weighted least squares. Keeps
+    the last well-conditioned fit while recent observations all have the same row count."""
+
+    MIN_SPREAD = 0.25  # weighted variance of the row counts (rows^2) needed to refit
+
+    def __init__(self, decay: float = 0.97):
+        self.decay = decay
+        self.sums = [0.0] * 5  # weight, w*n, w*n^2, w*t, w*n*t
+        self.fixed: float | None = None
+        self.per_row: float | None = None
+
+    @property
+    def fitted(self) -> bool:
+        return self.per_row is not None
+
+    def observe(self, rows: int, seconds: float) -> None:
+        s = [v * self.decay for v in self.sums]
+        for i, v in enumerate((1.0, rows, rows * rows, seconds, rows * seconds)):
+            s[i] += v
+        self.sums = s
+        w, n, nn, t, nt = s
+        var = nn / w - (n / w) ** 2
+        if var < self.MIN_SPREAD:
+            return
+        per_row = (nt / w - (n / w) * (t / w)) / var
+        self.per_row = max(per_row, 0.0)
+        self.fixed = max((t - self.per_row * n) / w, 0.0)
+
+    def __call__(self, rows: int) -> float:
+        return self.fixed + self.per_row * rows
+
+
+@dataclass
+class Candidate:
+    """A decoding request as the planner sees it."""
+
+    acceptance: float  # a: P(draft j accepted | drafts before it accepted)
+    cap: int  # most drafts it may take this step
+    catch_up_rows: int = 1  # rows the draft model runs before its first proposal
+
+
+class AdaptiveSpeculation:
+    DECAY = 0.9  # per verification step, for acceptance counts
+    PRIOR_WEIGHT = 2.0  # positions' worth of the engine-wide rate in a request's estimate
+    MAX_ACCEPTANCE = 0.98
+
+    def __init__(self, uses_draft_model: bool):
+        self.target = LinearCost()
+        self.draft = LinearCost() if uses_draft_model else None
+        self.engine_acceptance = Acceptance()
+
+    @property
+    def ready(self) -> bool:
+        return self.target.fitted and (self.draft is None or self.draft.fitted)
+
+    def observe_verification(self, own: Acceptance, num_drafts: int, num_accepted: int) -> None:
+        own.observe(num_drafts, num_accepted, self.DECAY)
+        self.engine_acceptance.observe(num_drafts, num_accepted, self.DECAY)
+
+    def idle(self, own: Acceptance) -> None:
+        """A step without drafts: fade the request's history so that it is tried again once
+        the engine-wide rate (or the load) says drafting pays."""
+        own.accepted *= self.DECAY
+        own.trials *= self.DECAY
+
+    def acceptance(self, own: Acceptance) -> float:
+        prior = self.engine_acceptance.rate(0.5, self.PRIOR_WEIGHT)
+        return min(own.rate(prior, self.PRIOR_WEIGHT), self.MAX_ACCEPTANCE)
+
+    def describe(self) -> dict:
+        """The planner's current view, for the snapshot."""
+
+        def fit(cost: LinearCost | None):
+            if cost is None or not cost.fitted:
+                return None
+            return {"fixed_seconds": cost.fixed, "seconds_per_row": cost.per_row}
+
+        return {
+            "ready": self.ready,
+            "target_cost": fit(self.target),
+            "draft_cost": fit(self.draft),
+            "engine_acceptance": self.engine_acceptance.rate(0.5, self.PRIOR_WEIGHT),
+        }
+
+    def plan(self, candidates: list[Candidate]) -> list[int]:
+        """k per candidate (see the module docstring)."""
+        if not candidates or not self.ready:
+            return [c.cap for c in candidates]
+        ks = [0] * len(candidates)
+        tokens = float(len(candidates))
+        seconds = self.target(len(candidates))
+        for level in range(1, max(c.cap for c in candidates) + 1):
+            pool = [i for i, c in enumerate(candidates) if ks[i] == level - 1 and c.cap >= level]
+            pool.sort(key=lambda i: -candidates[i].acceptance)
+            gain, cost = 0.0, self.draft.fixed if self.draft is not None else 0.0
+            best, best_gain, best_cost = 0, 0.0, 0.0
+            for n, i in enumerate(pool, start=1):
+                c = candidates[i]
+                gain += c.acceptance**level
+                cost += self.target.per_row
+                if self.draft is not None:
+                    cost += self.draft.per_row * (c.catch_up_rows if level == 1 else 1)
+                if (tokens + gain) * (seconds + best_cost) > (tokens + best_gain) * (
+                    seconds + cost
+                ):
+                    best, best_gain, best_cost = n, gain, cost
+            if best == 0:
+                break
+            for i in pool[:best]:
+                ks[i] = level
+            tokens, seconds = tokens + best_gain, seconds + best_cost
+        return ks

@@ -1,0 +1,238 @@
+"""Adaptive speculation: the cost fits, the acceptance estimates, the planner against exhaustive
+search, and the engine: lossless, off where drafting cannot pay, on where it does."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from engine import LLM, SamplingParams
+from models import make_tiny_model
+from spec.adaptive import Acceptance, AdaptiveSpeculation, Candidate, LinearCost
+
+
+# ---- cost fit -------------------------------------------------------------------------------
+def test_linear_cost_recovers_fixed_and_per_row_cost():
+    cost = LinearCost()
+    rng = random.Random(0)
+    for _ in range(200):
+        rows = rng.randint(1, 64)
+        cost.observe(rows, 0.05 + 0.002 * rows)
+    assert cost.fixed == pytest.approx(0.05, rel=1e-6)
+    assert cost.per_row == pytest.approx(0.002, rel=1e-6)
+
+
+def test_linear_cost_needs_two_row_counts_and_keeps_its_last_fit():
+    cost = LinearCost()
+    for _ in range(50):
+        cost.observe(8, 0.1)
+    assert not cost.fitted  # one row count says nothing about the per-row cost
+    cost.observe(16, 0.14)
+    cost.observe(4, 0.08)
+    assert cost.fitted
+    assert (cost.fixed, cost.per_row) == pytest.approx((0.06, 0.005))
+    rng = random.Random(0)
+    for _ in range(500):  # the spread decays away: the fit stays, it is not refitted on noise
+        cost.observe(8, 0.1 + 1e-4 * rng.random())
+    assert (cost.fixed, cost.per_row) == pytest.approx((0.06, 0.005), rel=0.01)
+
+
+def test_acceptance_estimate_tracks_a_geometric_process():
+    rng = random.Random(1)
+    for true_rate in (0.2, 0.6, 0.9):
+        own = Acceptance()
+        estimates = []
+        for step in range(4000):
+            k = 4
+            accepted = 0
+            while accepted < k and rng.random() < true_rate:
+                accepted += 1
+            own.observe(k, accepted, decay=0.99)
+            if step > 1000:
+                estimates.append(own.rate(0.5, 2.0))
+        assert sum(estimates) / len(estimates) == pytest.approx(true_rate, abs=0.03)
+
+
+# ---- the planner ------------------------------------------------------------------------------
+def planner(fixed, per_row, draft=None) -> AdaptiveSpeculation:
+    """A planner whose cost fits hold exactly the given lines."""
+    spec = AdaptiveSpeculation(uses_draft_model=draft is not None)
+    fits = [(spec.target, fixed, per_row)]
+    if draft is not None:
+        fits.append((spec.draft, *draft))
+    for fit, a, b in fits:
+        for rows in (1, 9, 3, 27):
+            fit.observe(rows, a + b * rows)
+    return spec
+
+
+def goodput(spec: AdaptiveSpeculation, cands: list[Candidate], ks: list[int]) -> float:
+    tokens = sum(sum(c.acceptance**j for j in range(k + 1)) for c, k in zip(cands, ks, strict=True))
+    seconds = spec.target(len(cands) + sum(ks))
+    if spec.draft is not None:
+        for level in range(1, max(ks, default=0) + 1):
+            rows = [
+                c.catch_up_rows if level == 1 else 1
+                for c, k in zip(cands, ks, strict=True)
+                if k >= level
+            ]
+            if rows:
+                seconds += spec.draft(sum(rows))
+    return tokens / seconds
+
+
+def test_not_ready_planner_gives_every_request_its_cap():
+    spec = AdaptiveSpeculation(uses_draft_model=False)
+    assert spec.plan([Candidate(0.9, 4), Candidate(0.1, 2)]) == [4, 2]
+
+
+def test_free_drafts_at_batch_one_take_the_cap_and_large_batches_switch_off():
+    spec = planner(fixed=0.05, per_row=0.0005)  # memory-bound: a row is 1% of a step
+    assert spec.plan([Candidate(0.8, 5)]) == [5]
+    spec = planner(fixed=0.1, per_row=0.01)  # 64 rows: compute-bound, every row costs
+    assert spec.plan([Candidate(0.6, 5)] * 64) == [0] * 64
+    # ... unless acceptance is near certain: a draft then costs a row and returns ~a row,
+    # more than the 0.86 rows per row-time of a plain step (64 / (0.1 + 0.64 s)).
+    assert min(spec.plan([Candidate(0.98, 5)] * 64)) >= 1
+
+
+def test_low_acceptance_requests_drop_out_first():
+    spec = planner(fixed=0.2, per_row=0.01)
+    ks = spec.plan([Candidate(0.9, 4), Candidate(0.05, 4), Candidate(0.7, 4)] + [Candidate(0.4, 4)])
+    assert ks[1] == 0 and ks[0] >= ks[2] >= ks[3] and ks[0] > 0
+
+
+def test_expensive_draft_passes_shorten_k():
+    cheap = planner(fixed=0.5, per_row=0.002, draft=(0.02, 0.001))
+    dear = planner(fixed=0.5, per_row=0.002, draft=(0.3, 0.001))
+    same = planner(fixed=0.5, per_row=0.002, draft=(0.5, 0.002))  # drafting with the target
+    c = [Candidate(0.85, 8)]
+    assert cheap.plan(c)[0] > dear.plan(c)[0] > 0
+    assert same.plan(c) == [0]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_plan_is_near_the_exhaustive_optimum(seed):
+    rng = random.Random(seed)
+    draft = None if seed % 2 else (rng.uniform(0.0, 0.3), rng.uniform(0.0, 0.01))
+    spec = planner(rng.uniform(0.01, 0.5), rng.uniform(0.0005, 0.05), draft)
+    cands = [
+        Candidate(rng.uniform(0.0, 0.98), rng.randint(0, 3), rng.randint(1, 4))
+        for _ in range(rng.randint(1, 4))
+    ]
+    best = max(
+        goodput(spec, cands, list(ks))
+        for ks in itertools.product(*(range(c.cap + 1) for c in cands))
+    )
+    ks = spec.plan(cands)
+    assert all(0 <= k <= c.cap for k, c in zip(ks, cands, strict=True))
+    assert goodput(spec, cands, ks) >= 0.98 * best
+
+
+# ---- through the engine -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def draft_model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("draft"), "llama", seed=1)
+
+
+def repetitive_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        phrase = [rng.randrange(256) for _ in range(rng.randint(3, 8))]
+        out.append((phrase * 10)[: rng.randint(20, 60)])
+    return out
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+def generate(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    snap = llm.engine.snapshot()
+    assert snap["num_free_blocks"] == snap["num_blocks"], "blocks leaked"
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_adaptive_is_lossless(tiny_llama, draft_model, method):
+    prompts = repetitive_prompts(24) + [[i % 250 + 1 for i in range(j, j + 30)] for j in range(8)]
+    want = generate(LLM(str(tiny_llama), num_kv_blocks=256), prompts)
+    args = {"ngram": {"speculative_method": "ngram"}, "draft": {"draft_model": str(draft_model)}}
+    for max_num_seqs in (1, 32):
+        llm = LLM(str(tiny_llama), num_kv_blocks=256, max_num_seqs=max_num_seqs, **args[method])
+        assert generate(llm, prompts) == want
+
+
+def test_adaptive_switches_a_useless_draft_off(tiny_llama, draft_model):
+    """A random draft model is almost never right: after a few steps nobody drafts any more,
+    where a fixed k keeps paying for drafts on every step."""
+    prompts = repetitive_prompts(8)
+    fixed = LLM(str(tiny_llama), draft_model=str(draft_model), adaptive_speculation=False)
+    adaptive = LLM(str(tiny_llama), draft_model=str(draft_model))
+    assert generate(fixed, prompts) == generate(adaptive, prompts)
+    assert fixed.engine.spec_stats.acceptance_rate < 0.2
+    assert adaptive.engine.spec_stats.num_drafts < 0.2 * fixed.engine.spec_stats.num_drafts
+    view = adaptive.engine.snapshot()["speculation"]["adaptive"]
+    assert view["ready"] and view["target_cost"]["seconds_per_row"] >= 0.0
+    assert view["draft_cost"]["fixed_seconds"] > 0.0 and view["engine_acceptance"] < 0.2
+    assert fixed.engine.snapshot()["speculation"]["adaptive"] is None
+
+
+def test_adaptive_keeps_free_drafts_that_land():
+    """n-gram drafts cost no draft pass and land when the answer copies the prompt (SmolLM2,
+    real weights): speculation stays on, and the output is plain greedy's."""
+    passage = (
+        "Blocks are allocated from a free pool on demand, and full blocks are hashed so that "
+        "requests with a common prefix share them."
+    )
+    llm = LLM("smollm2-135m-instruct", speculative_method="ngram", num_kv_blocks=64)
+    chat = [{"role": "user", "content": f"Repeat this sentence exactly:\n\n{passage}"}]
+    prompt = llm.apply_chat_template(chat)
+    params = SamplingParams(temperature=0, max_tokens=32)
+    out = generate(llm, [prompt], params)
+    plain = LLM("smollm2-135m-instruct", num_kv_blocks=64)
+    assert out == generate(plain, [prompt], params)
+    stats = llm.engine.spec_stats
+    assert stats.acceptance_rate > 0.5 and stats.mean_accepted_length > 2.5
+    assert stats.num_steps >= 0.8 * (llm.engine.num_steps - 1)  # the prefill step drafts nothing
+
+
+def test_draft_lags_while_off_and_prefix_hits_know_its_kv(tiny_llama):
+    """A request that does not speculate never runs the draft model, yet its blocks are prefix
+    cached; a later request inherits the draft's KV only for blocks the draft computed."""
+    llm = LLM(str(tiny_llama), num_kv_blocks=64, block_size=4, draft_model=str(tiny_llama))
+    engine = llm.engine
+    prompt = list(range(1, 30))
+    off = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, num_speculative_tokens=0)
+    on = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, num_speculative_tokens=2)
+    first = generate(llm, [prompt], off)
+    assert engine.spec_stats.num_drafts == 0
+    assert sum(engine.kv.pool.draft_ready) == 0  # the draft never ran
+    assert generate(llm, [prompt], on) == first  # hits the cache, catches the draft up
+    assert engine.kv.num_hit_tokens >= 28 and engine.spec_stats.num_accepted > 0
+    assert sum(engine.kv.pool.draft_ready) >= 7
+    engine.add_request("third", prompt, on)
+    engine.step()
+    third = next(r for r in engine.kv.block_tables if r.request_id == "third")
+    assert third.num_draft_computed >= 28  # its prefix hit carried the draft's KV along
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_seeded_sampling_unchanged_by_adaptive_speculation():
+    """k now depends on timing and load, and still a seeded request's tokens do not: they are
+    the tokens plain sampling gives (SmolLM2 copying its prompt, so drafts land)."""
+    llm = LLM("smollm2-135m-instruct", speculative_method="ngram", num_kv_blocks=128)
+    texts = [
+        "Repeat exactly: the quick brown fox jumps over the lazy dog, twice over.",
+        "Copy this list: apples, pears, plums, cherries, grapes, figs, dates.",
+        "Say back to me: paged attention keeps the KV cache in fixed-size blocks.",
+    ]
+    prompts = [llm.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+    ps = [SamplingParams(temperature=0.8, top_p=0.95, seed=7 + i, max_tokens=24) for i in range(3)]
+    want = generate(LLM("smollm2-135m-instruct", num_kv_blocks=128), prompts, ps)
+    assert generate(llm, prompts, ps) == want
+    assert llm.engine.spec_stats.num_accepted > 0
