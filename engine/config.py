@@ -30,6 +30,7 @@ class EngineConfig:
     # without its own k gets the k that maximises the expected tokens per second (spec.adaptive).
     speculative_method: str | None = None
     draft_model: str | None = None  # embedded name or a local HF directory
+    draft_quantization: str | None = "int8"  # the draft's weights (CPU): "int8" or None (fp32)
     num_speculative_tokens: int = 4
     adaptive_speculation: bool = True
     ngram_min: int = 2
@@ -52,6 +53,10 @@ class EngineConfig:
             )
         if self.speculative_method == "draft" and not self.draft_model:
             raise ValueError("speculative_method='draft' needs draft_model")
+        if self.draft_quantization not in (None, "int8"):
+            raise ValueError(
+                f"draft_quantization must be 'int8' or None, got {self.draft_quantization!r}"
+            )
         if self.draft_model and self.speculative_method == "ngram":
             raise ValueError("draft_model is set but speculative_method is 'ngram'")
         k = self.num_speculative_tokens

@@ -58,7 +58,9 @@ class LLMEngine:
         self.vocab_size = cfg.vocab_size
         draft = None
         if config.spec_method == "draft":
-            draft_model, draft_cfg, _ = load_model(resolve_model(config.draft_model))
+            draft_model, draft_cfg, _ = load_model(
+                resolve_model(config.draft_model), int8=config.draft_quantization == "int8"
+            )
             if draft_cfg.vocab_size != cfg.vocab_size:
                 raise ValueError(
                     f"draft_model vocabulary ({draft_cfg.vocab_size}) differs from the target's "

@@ -88,8 +88,9 @@ class Candidate:
 
 
 class AdaptiveSpeculation:
-    DECAY = 0.9  # per verification step, for acceptance counts
-    PRIOR_WEIGHT = 2.0  # positions' worth of the engine-wide rate in a request's estimate
+    DECAY = 0.95  # per verification step, for a request's acceptance counts
+    ENGINE_DECAY = 0.98  # per verification, for the engine-wide counts
+    PRIOR_WEIGHT = 4.0  # positions' worth of the engine-wide rate in a request's estimate
     MAX_ACCEPTANCE = 0.98
 
     def __init__(self, uses_draft_model: bool):
@@ -103,7 +104,7 @@ class AdaptiveSpeculation:
 
     def observe_verification(self, own: Acceptance, num_drafts: int, num_accepted: int) -> None:
         own.observe(num_drafts, num_accepted, self.DECAY)
-        self.engine_acceptance.observe(num_drafts, num_accepted, self.DECAY)
+        self.engine_acceptance.observe(num_drafts, num_accepted, self.ENGINE_DECAY)
 
     def idle(self, own: Acceptance) -> None:
         """A step without drafts: fade the request's history so that it is tried again once
@@ -112,8 +113,11 @@ class AdaptiveSpeculation:
         own.trials *= self.DECAY
 
     def acceptance(self, own: Acceptance) -> float:
-        prior = self.engine_acceptance.rate(0.5, self.PRIOR_WEIGHT)
-        return min(own.rate(prior, self.PRIOR_WEIGHT), self.MAX_ACCEPTANCE)
+        return min(own.rate(self.engine_rate, self.PRIOR_WEIGHT), self.MAX_ACCEPTANCE)
+
+    @property
+    def engine_rate(self) -> float:
+        return self.engine_acceptance.rate(0.5, 1.0)
 
     def describe(self) -> dict:
         """The planner's current view, for the snapshot."""
@@ -127,7 +131,7 @@ class AdaptiveSpeculation:
             "ready": self.ready,
             "target_cost": fit(self.target),
             "draft_cost": fit(self.draft),
-            "engine_acceptance": self.engine_acceptance.rate(0.5, self.PRIOR_WEIGHT),
+            "engine_acceptance": self.engine_rate,
         }
 
     def plan(self, candidates: list[Candidate]) -> list[int]:

@@ -53,11 +53,12 @@ def reference(tiny_llama):
 
 
 def spec_args(method: str, tiny_llama, draft_model) -> dict:
-    """A fixed k per step (adaptive speculation has its own tests in test_adaptive.py)."""
+    """A fixed k per step and an fp32 draft, so a self-draft accepts everything (adaptive
+    speculation and int8 drafts have their own tests in test_adaptive.py)."""
     return {
         "ngram": {"speculative_method": "ngram"},
-        "draft": {"draft_model": str(draft_model)},
-        "self": {"draft_model": str(tiny_llama)},
+        "draft": {"draft_model": str(draft_model), "draft_quantization": None},
+        "self": {"draft_model": str(tiny_llama), "draft_quantization": None},
     }[method] | {"adaptive_speculation": False}
 
 
@@ -127,9 +128,7 @@ def test_greedy_lossless_under_preemption(
 
 
 def test_self_draft_emits_k_plus_one_tokens_per_step(tiny_llama):
-    llm = LLM(
-        str(tiny_llama), num_kv_blocks=64, draft_model=str(tiny_llama), adaptive_speculation=False
-    )
+    llm = LLM(str(tiny_llama), num_kv_blocks=64, **spec_args("self", tiny_llama, None))
     p = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True, num_speculative_tokens=4)
     out = llm.generate([[1, 2, 3]], p, use_tqdm=False)[0]
     # 1 token from the prefill step, then 4 steps x (4 drafts + 1), then the last 4 tokens
@@ -142,9 +141,7 @@ def test_self_draft_emits_k_plus_one_tokens_per_step(tiny_llama):
 
 
 def test_per_request_k_and_off_switch(tiny_llama):
-    llm = LLM(
-        str(tiny_llama), num_kv_blocks=64, draft_model=str(tiny_llama), adaptive_speculation=False
-    )
+    llm = LLM(str(tiny_llama), num_kv_blocks=64, **spec_args("self", tiny_llama, None))
     off = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, num_speculative_tokens=0)
     two = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, num_speculative_tokens=2)
     a, b = llm.generate([[5, 6, 7], [5, 6, 7]], [off, two], use_tqdm=False)
@@ -238,9 +235,7 @@ def test_seeded_sampling_same_with_and_without_speculation(tiny_llama, draft_mod
 
 
 def test_random_aborts_mid_speculation_return_every_block(tiny_llama, draft_model):
-    llm = LLM(
-        str(tiny_llama), num_kv_blocks=64, draft_model=str(draft_model), adaptive_speculation=False
-    )
+    llm = LLM(str(tiny_llama), num_kv_blocks=64, **spec_args("draft", tiny_llama, draft_model))
     engine = llm.engine
     rng = random.Random(3)
     ps = params()
@@ -269,9 +264,8 @@ def test_rejected_drafts_free_their_blocks(tiny_llama, draft_model):
     llm = LLM(
         str(tiny_llama),
         num_kv_blocks=64,
-        draft_model=str(draft_model),
-        adaptive_speculation=False,
         block_size=4,
+        **spec_args("draft", tiny_llama, draft_model),
     )
     engine = llm.engine
     engine.add_request(
@@ -302,9 +296,7 @@ def test_draft_with_other_vocabulary_is_rejected(tiny_llama, tmp_path):
 
 
 def test_snapshot_reports_speculation(tiny_llama):
-    llm = LLM(
-        str(tiny_llama), num_kv_blocks=64, draft_model=str(tiny_llama), adaptive_speculation=False
-    )
+    llm = LLM(str(tiny_llama), num_kv_blocks=64, **spec_args("self", tiny_llama, None))
     llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
     spec = llm.engine.snapshot()["speculation"]
     assert spec["method"] == "draft" and spec["num_drafts"] > 0

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
+from engine.models.quant import linear_int8, pack_int8
 
 SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
 
@@ -91,12 +92,19 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.packed: torch.Tensor | None = None  # oneDNN opaque tensor once packed
+        self.int8: torch.Tensor | None = None  # int8 packed parameters (draft models)
 
     def pack(self) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
         self.weight = None
 
+    def quantize(self) -> None:
+        self.int8 = pack_int8(self.weight, self.bias)
+        self.weight = self.bias = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8 is not None:
+            return linear_int8(x, self.int8)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -167,6 +175,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # [vocab, hidden], shared with the embedding when tied; F.linear reads it as is.
         self.lm_head_packed: torch.Tensor | None = None  # oneDNN copy for more than one row
+        self.lm_head_int8: torch.Tensor | None = None  # int8 copy (draft models)
         self.lm_head_weight = (
             self.embed_tokens.weight
             if cfg.tie_word_embeddings
@@ -204,7 +213,19 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head_weight.detach(), None
         )
 
+    def quantize_int8(self) -> None:
+        """CPU only, draft models only: int8 projections and LM head (see engine.models.quant);
+        down_proj stays fp32 (oneDNN packed), as does the embedding."""
+        for layer in self.layers:
+            for module in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj):
+                module.quantize()
+            if onednn_linear_available():
+                layer.down_proj.pack()
+        self.lm_head_int8 = pack_int8(self.lm_head_weight, None)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, vocab]
+        if self.lm_head_int8 is not None:
+            return linear_int8(hidden, self.lm_head_int8)
         if self.lm_head_packed is not None and hidden.shape[0] > 1:
             return torch.ops.mkldnn._linear_pointwise(
                 hidden, self.lm_head_packed, None, "none", [], ""

@@ -10,6 +10,7 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from engine.models.llama import LlamaForCausalLM, ModelConfig, onednn_linear_available
+from engine.models.quant import int8_linear_available
 
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
 
@@ -81,11 +82,14 @@ def _fused_state(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, tor
     return out
 
 
-def load_model(path: str | Path, max_len: int | None = None, pack_weights: bool = True):
+def load_model(
+    path: str | Path, max_len: int | None = None, pack_weights: bool = True, int8: bool = False
+):
     """Returns (model, ModelConfig, hf_config). max_len bounds the RoPE table.
 
     pack_weights: on CPU, hand the linear layers' weights to oneDNN's blocked layout (see
-    `Linear.pack`); False keeps plain dense weights.
+    `Linear.pack`); False keeps plain dense weights. int8: int8 projections and LM head instead
+    (lossy: for draft models only, see engine.models.quant), where the backend supports it.
     """
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -102,7 +106,9 @@ def load_model(path: str | Path, max_len: int | None = None, pack_weights: bool 
             f"weights do not match the model: missing={missing} unexpected={unexpected}"
         )
     model.eval().requires_grad_(False)
-    if pack_weights and onednn_linear_available():
+    if int8 and int8_linear_available():
+        model.quantize_int8()
+    elif pack_weights and onednn_linear_available():
         model.pack_linear_weights()
     return model, cfg, hf_config
 
