@@ -211,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--repeats", type=int, default=2, help="sweep runs per mode (best kept)")
     ap.add_argument("--sweep-tokens", type=int, default=64, help="max_tokens in the sweep")
+    ap.add_argument("--workloads", default="mixed,open", help="sweep workloads")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
@@ -234,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     if "sweep" in parts:
         batches = [int(b) for b in args.batches.split(",")]
         worst = 1.0
-        for workload in ("mixed", "open"):
+        for workload in args.workloads.split(","):
             results = sweep(batches, args.k, args.sweep_tokens, args.repeats, workload)
             worst = min(worst, *(r["adaptive"] for r in results.values()))
         out["slow"] = f"{max(0.0, 1.0 - worst):.3f}"

@@ -245,8 +245,10 @@ class LLMEngine:
         for request in requests:
             room = min(cap, request.max_output_tokens - request.num_output_tokens - 1)
             lag = request.num_tokens - request.num_draft_computed
+            room = max(room, 0)
             acceptance = self.adaptive.acceptance(request.acceptance)
-            candidates.append(Candidate(acceptance, max(room, 0), min(lag, room + 1)))
+            reach = self.adaptive.reach(request.acceptance, room)
+            candidates.append(Candidate(acceptance, room, min(lag, room + 1), reach))
         for request, k in zip(requests, self.adaptive.plan(candidates), strict=True):
             request.num_spec_wanted = k
             if k == 0:  # not drafting teaches nothing: drift back towards the engine's rate

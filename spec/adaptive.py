@@ -6,8 +6,11 @@ Two things are estimated online, nothing is assumed about the machine:
 
 - per request, the probability `a` that a draft is accepted given that the ones before it were:
   exponentially decayed counts of accepted drafts over verified positions (a rejection ends a
-  step's chain), shrunk towards the engine-wide rate while a request has little history. With
-  k drafts a step emits 1 + a + a^2 + ... + a^k tokens on average: draft j adds a^j;
+  step's chain), shrunk towards the engine-wide rate while a request has little history; and
+  engine-wide, the same rate at each draft position, since it changes with depth (once a copied
+  span is entered it tends to run on). A request's rate at position j is the engine's at j,
+  shifted in log-odds by how the request compares with the engine; draft j then adds
+  P(drafts 1..j all land) expected tokens (a^j if acceptance were the same at every depth);
 - step times as a + b * rows by exponentially weighted least squares: the target's forward (plus
   sampling and verification) over every token it computes, and, with a draft model, each draft
   pass over its rows.
@@ -25,6 +28,7 @@ Until both cost fits have seen rows of at least two different sizes, every reque
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -85,6 +89,11 @@ class Candidate:
     acceptance: float  # a: P(draft j accepted | drafts before it accepted)
     cap: int  # most drafts it may take this step
     catch_up_rows: int = 1  # rows the draft model runs before its first proposal
+    reach: list[float] | None = None  # [j - 1]: P(drafts 1..j all accepted); default a^j
+
+    def gain(self, level: int) -> float:
+        """Expected tokens that draft `level` adds."""
+        return self.reach[level - 1] if self.reach is not None else self.acceptance**level
 
 
 class AdaptiveSpeculation:
@@ -97,6 +106,7 @@ class AdaptiveSpeculation:
         self.target = LinearCost()
         self.draft = LinearCost() if uses_draft_model else None
         self.engine_acceptance = Acceptance()
+        self.by_position: list[Acceptance] = []  # [j]: engine-wide, draft j+1 given j landed
 
     @property
     def ready(self) -> bool:
@@ -105,6 +115,10 @@ class AdaptiveSpeculation:
     def observe_verification(self, own: Acceptance, num_drafts: int, num_accepted: int) -> None:
         own.observe(num_drafts, num_accepted, self.DECAY)
         self.engine_acceptance.observe(num_drafts, num_accepted, self.ENGINE_DECAY)
+        while len(self.by_position) < min(num_accepted + 1, num_drafts):
+            self.by_position.append(Acceptance())
+        for j in range(min(num_accepted + 1, num_drafts)):  # positions that were judged
+            self.by_position[j].observe(1, int(j < num_accepted), self.ENGINE_DECAY)
 
     def idle(self, own: Acceptance) -> None:
         """A step without drafts: fade the request's history so that it is tried again once
@@ -118,6 +132,24 @@ class AdaptiveSpeculation:
     @property
     def engine_rate(self) -> float:
         return self.engine_acceptance.rate(0.5, 1.0)
+
+    def reach(self, own: Acceptance, cap: int) -> list[float]:
+        """P(drafts 1..j all land) for j = 1..cap. Acceptance is not the same at every depth
+        (a copied span, once entered, tends to run on), so each position has its engine-wide
+        rate, shifted in log-odds by how much better or worse this request does than the
+        engine; positions never judged yet take the request's own rate."""
+        mine, engine = self.acceptance(own), self.engine_rate
+        shift = _logit(mine) - _logit(engine)
+        out, p = [], 1.0
+        for j in range(cap):
+            if j < len(self.by_position) and self.by_position[j].trials >= 1.0:
+                rate = self.by_position[j].rate(engine, 1.0)
+                rate = min(_sigmoid(_logit(rate) + shift), self.MAX_ACCEPTANCE)
+            else:
+                rate = mine
+            p *= rate
+            out.append(p)
+        return out
 
     def describe(self) -> dict:
         """The planner's current view, for the snapshot."""
@@ -143,12 +175,12 @@ class AdaptiveSpeculation:
         seconds = self.target(len(candidates))
         for level in range(1, max(c.cap for c in candidates) + 1):
             pool = [i for i, c in enumerate(candidates) if ks[i] == level - 1 and c.cap >= level]
-            pool.sort(key=lambda i: -candidates[i].acceptance)
+            pool.sort(key=lambda i: -candidates[i].gain(level))
             gain, cost = 0.0, self.draft.fixed if self.draft is not None else 0.0
             best, best_gain, best_cost = 0, 0.0, 0.0
             for n, i in enumerate(pool, start=1):
                 c = candidates[i]
-                gain += c.acceptance**level
+                gain += c.gain(level)
                 cost += self.target.per_row
                 if self.draft is not None:
                     cost += self.draft.per_row * (c.catch_up_rows if level == 1 else 1)
@@ -162,3 +194,12 @@ class AdaptiveSpeculation:
                 ks[i] = level
             tokens, seconds = tokens + best_gain, seconds + best_cost
         return ks
+
+
+def _logit(p: float) -> float:
+    p = min(max(p, 1e-4), 1 - 1e-4)
+    return math.log(p / (1 - p))
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x))

@@ -55,6 +55,32 @@ def test_acceptance_estimate_tracks_a_geometric_process():
         assert sum(estimates) / len(estimates) == pytest.approx(true_rate, abs=0.03)
 
 
+def test_reach_follows_the_acceptance_profile_by_depth():
+    """First drafts land 60% of the time, later ones 95%: the planner's P(reach j) follows that
+    profile, where one pooled rate a (about 0.88 here) would say a^j: too high at the first
+    position, too low at the later ones."""
+    spec = planner(fixed=0.5, per_row=0.01)
+    rng = random.Random(2)
+    own = Acceptance()
+    for _ in range(3000):
+        accepted = 0
+        while accepted < 6 and rng.random() < (0.6 if accepted == 0 else 0.95):
+            accepted += 1
+        spec.observe_verification(own, 6, accepted)
+    reach = spec.reach(own, 6)
+    # Decayed counts are a window of ~50 verifications: estimates move by ~0.07 around the truth.
+    for j, p in enumerate(reach, start=1):
+        assert p == pytest.approx(0.6 * 0.95 ** (j - 1), abs=0.12)
+    assert all(later / earlier > 0.85 for earlier, later in zip(reach[:-1], reach[1:], strict=True))
+    flat = spec.acceptance(own)
+    assert reach[0] < flat - 0.15 and reach[5] / reach[4] > flat
+    # A request doing worse than the engine is shifted down at every depth, not flattened.
+    poor = Acceptance()
+    for _ in range(50):
+        spec.observe_verification(poor, 6, 0)
+    assert spec.reach(poor, 3)[0] < 0.2 and spec.reach(poor, 3)[2] < spec.reach(poor, 3)[0]
+
+
 # ---- the planner ------------------------------------------------------------------------------
 def planner(fixed, per_row, draft=None) -> AdaptiveSpeculation:
     """A planner whose cost fits hold exactly the given lines."""
