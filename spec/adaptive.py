@@ -193,7 +193,18 @@ class AdaptiveSpeculation:
             for i in pool[:best]:
                 ks[i] = level
             tokens, seconds = tokens + best_gain, seconds + best_cost
+        if not any(ks):
+            self._fade_engine_history()
         return ks
+
+    def _fade_engine_history(self) -> None:
+        """A step in which nobody drafts teaches nothing. Without this, a few early rejections
+        could switch speculation off for good: estimates that nothing updates never recover.
+        Fading them towards the prior means drafting is tried again after a while (~20 idle
+        steps), and kept only if it pays."""
+        for counts in (self.engine_acceptance, *self.by_position):
+            counts.accepted *= self.DECAY
+            counts.trials *= self.DECAY
 
 
 def _logit(p: float) -> float:

@@ -109,6 +109,20 @@ def goodput(spec: AdaptiveSpeculation, cands: list[Candidate], ks: list[int]) ->
     return tokens / seconds
 
 
+def test_early_rejections_do_not_switch_speculation_off_for_good():
+    """One bad first verification sets every estimate low and the plan to k = 0; steps without
+    drafts fade the estimates back towards the prior until drafting is tried again."""
+    spec = planner(fixed=0.6, per_row=0.02, draft=(0.1, 0.004))
+    own = Acceptance()
+    spec.observe_verification(own, 6, 0)
+    assert spec.plan([Candidate(spec.acceptance(own), 6, reach=spec.reach(own, 6))]) == [0]
+    idle_steps = 0
+    while not spec.plan([Candidate(spec.acceptance(own), 6, reach=spec.reach(own, 6))])[0]:
+        spec.idle(own)
+        idle_steps += 1
+        assert idle_steps < 60, "speculation never resumed"
+
+
 def test_not_ready_planner_gives_every_request_its_cap():
     spec = AdaptiveSpeculation(uses_draft_model=False)
     assert spec.plan([Candidate(0.9, 4), Candidate(0.1, 2)]) == [4, 2]
@@ -203,7 +217,7 @@ def test_adaptive_switches_a_useless_draft_off(tiny_llama, draft_model):
     assert adaptive.engine.spec_stats.num_drafts < 0.2 * fixed.engine.spec_stats.num_drafts
     view = adaptive.engine.snapshot()["speculation"]["adaptive"]
     assert view["ready"] and view["target_cost"]["seconds_per_row"] >= 0.0
-    assert view["draft_cost"]["fixed_seconds"] > 0.0 and view["engine_acceptance"] < 0.2
+    assert view["draft_cost"]["fixed_seconds"] > 0.0 and view["engine_acceptance"] < 0.5
     assert fixed.engine.snapshot()["speculation"]["adaptive"] is None
 
 
