@@ -189,7 +189,11 @@ class LLMEngine:
         self.spec_time["draft"] += t1 - t0
         self.spec_time["verify"] += t2 - t1
         self._observe_costs(sched.total_tokens, t2 - t1)
+        num_drafts = sum(sched.num_drafts)
         for request, n, k in sched.scheduled():
+            # This request's share of the step: draft time by its drafts, target time by rows.
+            request.spec.draft_seconds += (t1 - t0) * k / num_drafts if num_drafts else 0.0
+            request.spec.target_seconds += (t2 - t1) * n / sched.total_tokens
             num_accepted = result.num_accepted.get(request, 0)
             request.num_computed_tokens += n - k + num_accepted
             if k:  # reclaim the slots of rejected drafts

@@ -12,6 +12,10 @@ class SpecStats:
     num_accepted: int = 0
     num_forced: int = 0  # drafts that were forced tokens (e.g. by a grammar), not proposals
     num_forced_accepted: int = 0
+    # Per request: its share of step time (draft passes by its drafts, the target's forward and
+    # verification by its rows). The engine's own totals are LLMEngine.spec_time.
+    draft_seconds: float = 0.0
+    target_seconds: float = 0.0
     drafted_at: list[int] = field(default_factory=list)  # [j]: steps with a draft at position j
     accepted_at: list[int] = field(default_factory=list)  # [j]: ... whose draft j was accepted
 
@@ -24,6 +28,8 @@ class SpecStats:
             total.num_accepted += part.num_accepted
             total.num_forced += part.num_forced
             total.num_forced_accepted += part.num_forced_accepted
+            total.draft_seconds += part.draft_seconds
+            total.target_seconds += part.target_seconds
             for name in ("drafted_at", "accepted_at"):
                 mine, theirs = getattr(total, name), getattr(part, name)
                 mine += [0] * (len(theirs) - len(mine))
@@ -71,6 +77,8 @@ class SpecStats:
             "num_accepted": self.num_accepted,
             "num_forced": self.num_forced,
             "num_forced_accepted": self.num_forced_accepted,
+            "draft_seconds": self.draft_seconds,
+            "target_seconds": self.target_seconds,
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_length": self.mean_accepted_length,
             "acceptance_by_position": self.acceptance_by_position,

@@ -297,11 +297,20 @@ def test_draft_with_other_vocabulary_is_rejected(tiny_llama, tmp_path):
 
 def test_snapshot_reports_speculation(tiny_llama):
     llm = LLM(str(tiny_llama), num_kv_blocks=64, **spec_args("self", tiny_llama, None))
-    llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
-    spec = llm.engine.snapshot()["speculation"]
+    params = SamplingParams(temperature=0, max_tokens=10)
+    outs = llm.generate([[1, 2, 3], [4, 5, 6, 7]], params, use_tqdm=False)
+    engine = llm.engine
+    spec = engine.snapshot()["speculation"]
     assert spec["method"] == "draft" and spec["num_drafts"] > 0
     assert spec["acceptance_rate"] == 1.0 and spec["mean_accepted_length"] > 1.0
     assert spec["draft_seconds"] > 0 and spec["verify_seconds"] > 0
+    # Per request: its share of each step; the shares add up to the engine's totals (draft time
+    # of steps in which nobody drafted, e.g. the prefill, belongs to no request).
+    mine = [o.metrics.spec for o in outs]
+    assert all(m.draft_seconds > 0 and m.target_seconds > 0 for m in mine)
+    assert 0.5 * engine.spec_time["draft"] < sum(m.draft_seconds for m in mine)
+    assert sum(m.draft_seconds for m in mine) <= engine.spec_time["draft"]
+    assert sum(m.target_seconds for m in mine) == pytest.approx(engine.spec_time["verify"])
 
 
 # ---- forced tokens (the grammar hook) -------------------------------------------------------
