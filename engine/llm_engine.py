@@ -18,7 +18,7 @@ from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOut
 from engine.request import FINISH_REASONS, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
-from spec.adaptive import AdaptiveSpeculation, Candidate
+from spec.adaptive import AdaptiveSpeculation
 from spec.draft_model import DraftModelProposer
 from spec.metrics import SpecStats
 from spec.proposer import ForcedTokens, NgramProposer, Proposer
@@ -247,12 +247,9 @@ class LLMEngine:
     def _plan_adaptive(self, requests: list[Request], cap: int) -> None:
         candidates = []
         for request in requests:
-            room = min(cap, request.max_output_tokens - request.num_output_tokens - 1)
+            room = max(0, min(cap, request.max_output_tokens - request.num_output_tokens - 1))
             lag = request.num_tokens - request.num_draft_computed
-            room = max(room, 0)
-            acceptance = self.adaptive.acceptance(request.acceptance)
-            reach = self.adaptive.reach(request.acceptance, room)
-            candidates.append(Candidate(acceptance, room, min(lag, room + 1), reach))
+            candidates.append(self.adaptive.candidate(request.acceptance, room, min(lag, room + 1)))
         for request, k in zip(requests, self.adaptive.plan(candidates), strict=True):
             request.num_spec_wanted = k
             if k == 0:  # not drafting teaches nothing: drift back towards the engine's rate

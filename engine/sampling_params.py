@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.config import MAX_SPECULATIVE_TOKENS
+
 _EPS = 1e-5
 
 
@@ -97,8 +99,12 @@ class SamplingParams:
                 fixed[k] = float(v)
             self.logit_bias = fixed
         k = self.num_speculative_tokens
-        if k is not None and (not is_int(k) or not 0 <= k <= 15):
-            raise bad("num_speculative_tokens", k, "must be an integer in [0, 15] or None")
+        if k is not None and (not is_int(k) or not 0 <= k <= MAX_SPECULATIVE_TOKENS):
+            raise bad(
+                "num_speculative_tokens",
+                k,
+                f"must be an integer in [0, {MAX_SPECULATIVE_TOKENS}] or None",
+            )
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (not is_int(v) or not 0 <= v <= 20):

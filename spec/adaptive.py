@@ -42,8 +42,13 @@ class Acceptance:
     def observe(self, num_drafts: int, num_accepted: int, decay: float) -> None:
         if num_drafts == 0:
             return
-        self.accepted = decay * self.accepted + num_accepted
-        self.trials = decay * self.trials + num_accepted + (num_accepted < num_drafts)
+        self.fade(decay)
+        self.accepted += num_accepted
+        self.trials += num_accepted + (num_accepted < num_drafts)
+
+    def fade(self, decay: float) -> None:
+        self.accepted *= decay
+        self.trials *= decay
 
     def rate(self, prior: float, prior_weight: float) -> float:
         return (self.accepted + prior * prior_weight) / (self.trials + prior_weight)
@@ -115,16 +120,16 @@ class AdaptiveSpeculation:
     def observe_verification(self, own: Acceptance, num_drafts: int, num_accepted: int) -> None:
         own.observe(num_drafts, num_accepted, self.DECAY)
         self.engine_acceptance.observe(num_drafts, num_accepted, self.ENGINE_DECAY)
-        while len(self.by_position) < min(num_accepted + 1, num_drafts):
+        num_judged = min(num_accepted + 1, num_drafts)  # up to and including a rejection
+        while len(self.by_position) < num_judged:
             self.by_position.append(Acceptance())
-        for j in range(min(num_accepted + 1, num_drafts)):  # positions that were judged
+        for j in range(num_judged):
             self.by_position[j].observe(1, int(j < num_accepted), self.ENGINE_DECAY)
 
     def idle(self, own: Acceptance) -> None:
         """A step without drafts: fade the request's history so that it is tried again once
         the engine-wide rate (or the load) says drafting pays."""
-        own.accepted *= self.DECAY
-        own.trials *= self.DECAY
+        own.fade(self.DECAY)
 
     def acceptance(self, own: Acceptance) -> float:
         return min(own.rate(self.engine_rate, self.PRIOR_WEIGHT), self.MAX_ACCEPTANCE)
@@ -133,12 +138,19 @@ class AdaptiveSpeculation:
     def engine_rate(self) -> float:
         return self.engine_acceptance.rate(0.5, 1.0)
 
+    def candidate(self, own: Acceptance, cap: int, catch_up_rows: int) -> Candidate:
+        mine = self.acceptance(own)
+        return Candidate(mine, cap, catch_up_rows, self._reach(mine, cap))
+
     def reach(self, own: Acceptance, cap: int) -> list[float]:
         """P(drafts 1..j all land) for j = 1..cap. Acceptance is not the same at every depth
         (a copied span, once entered, tends to run on), so each position has its engine-wide
         rate, shifted in log-odds by how much better or worse this request does than the
         engine; positions never judged yet take the request's own rate."""
-        mine, engine = self.acceptance(own), self.engine_rate
+        return self._reach(self.acceptance(own), cap)
+
+    def _reach(self, mine: float, cap: int) -> list[float]:
+        engine = self.engine_rate
         shift = _logit(mine) - _logit(engine)
         out, p = [], 1.0
         for j in range(cap):
@@ -203,8 +215,7 @@ class AdaptiveSpeculation:
         Fading them towards the prior means drafting is tried again after a while (~20 idle
         steps), and kept only if it pays."""
         for counts in (self.engine_acceptance, *self.by_position):
-            counts.accepted *= self.DECAY
-            counts.trials *= self.DECAY
+            counts.fade(self.DECAY)
 
 
 def _logit(p: float) -> float:
