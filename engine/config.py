@@ -35,6 +35,12 @@ class EngineConfig:
     adaptive_speculation: bool = True
     ngram_min: int = 2
     ngram_max: int = 4
+    # Structured outputs (xgrammar): compiled grammars kept (LRU), the longest a submission
+    # waits for a compile, and whether grammar-forced tokens ride as free drafts (False: the
+    # constraint only masks; forced tokens are then generated one per step like any other).
+    grammar_cache_size: int = 256
+    grammar_compile_timeout: float = 10.0
+    grammar_forced_tokens: bool = True
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
@@ -72,6 +78,13 @@ class EngineConfig:
                 f"ngram_min/ngram_max must satisfy 1 <= ngram_min <= ngram_max, "
                 f"got {self.ngram_min!r}, {self.ngram_max!r}"
             )
+        if not isinstance(self.grammar_cache_size, int) or self.grammar_cache_size < 1:
+            raise ValueError(
+                f"grammar_cache_size must be a positive integer, got {self.grammar_cache_size!r}"
+            )
+        t = self.grammar_compile_timeout
+        if not isinstance(t, int | float) or not 0 < t <= 3600:
+            raise ValueError(f"grammar_compile_timeout must be in (0, 3600] seconds, got {t!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
         if not 0.0 < self.kv_cache_memory_fraction <= 0.9:

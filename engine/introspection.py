@@ -14,6 +14,26 @@ def kv_utilization(engine) -> tuple[int, int]:
     return sum(filled.values()), len(filled) * bs
 
 
+def grammar_state(grammar) -> dict:
+    if grammar is None:
+        return {
+            "num_matchers": 0,
+            "drafts_cut": 0,
+            "seconds": 0.0,
+            "compiled": 0,
+            "cache_hits": 0,
+            "cache_size": 0,
+        }
+    return {
+        "num_matchers": grammar.num_matchers,
+        "drafts_cut": grammar.num_drafts_cut,
+        "seconds": grammar.seconds,
+        "compiled": grammar.compiler.num_compiled,
+        "cache_hits": grammar.compiler.num_hits,
+        "cache_size": grammar.compiler.cache_len,
+    }
+
+
 def snapshot(engine) -> dict:
     kv, pool, sched = engine.kv, engine.kv.pool, engine.scheduler
     requests = []
@@ -28,6 +48,7 @@ def snapshot(engine) -> dict:
                 "num_cached_tokens": max(0, request.num_cached_tokens),
                 "block_table": list(table),
                 "spec": request.spec.as_dict() | {"k": request.num_spec_wanted},
+                "constraint": request.grammar.kind if request.grammar is not None else None,
             }
         )
     blocks = {
@@ -62,6 +83,7 @@ def snapshot(engine) -> dict:
         "kv_utilization": stored / allocated if allocated else 1.0,
         "num_steps": engine.num_steps,
         "num_generated_tokens": engine.num_generated_tokens,
+        "grammar": grammar_state(engine.grammar),
         "speculation": {
             "method": engine.config.spec_method,
             **engine.spec_stats.as_dict(),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -9,6 +10,7 @@ from transformers import AutoTokenizer
 
 from engine.config import MAX_SPECULATIVE_TOKENS, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.grammar.constraint import StructuredOutputs
 from engine.introspection import snapshot
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner, StepResult, kv_bytes_per_block
@@ -86,6 +88,8 @@ class LLMEngine:
         self.adaptive: AdaptiveSpeculation | None = None
         if self.proposer is not None and config.adaptive_speculation:
             self.adaptive = AdaptiveSpeculation(uses_draft_model=draft is not None)
+        self.grammar = None  # GrammarManager, made for the first constrained request
+        self._grammar_lock = threading.Lock()
         self.spec_stats = SpecStats()
         self.spec_time = {"draft": 0.0, "verify": 0.0}
         self.groups: dict[str, RequestGroup] = {}
@@ -112,6 +116,7 @@ class LLMEngine:
                 raise ValueError(f"prompt token id {bad[0]!r} is outside [0, {self.vocab_size})")
         self._check_fits(ids, params)
         params.check_vocab(self.vocab_size)
+        compiled = self.compile_constraint(params.structured_outputs)
         salt = (cache_salt or "").encode()
         requests = [
             Request(
@@ -126,6 +131,9 @@ class LLMEngine:
             )
             for i in range(params.n)
         ]
+        if compiled is not None:
+            for r in requests:
+                self.grammar.attach(r, compiled, params.structured_outputs.kind)
         for sibling in requests[1:]:
             sibling.status = RequestStatus.FORK_PENDING
         requests[0].siblings = requests[1:]
@@ -141,6 +149,36 @@ class LLMEngine:
         ]
         self.groups[request_id] = RequestGroup(request_id, text, requests, detoks)
         self.scheduler.add(requests[0])
+
+    def compile_constraint(self, constraint: StructuredOutputs | None):
+        """Compile (or fetch from the cache) a request's constraint; ValueError if it is invalid,
+        unsupported or slower to compile than grammar_compile_timeout. Thread-safe: a server
+        calls it from the submitting thread, so the engine loop never waits for a compile."""
+        if constraint is None:
+            return None
+        return self._grammar_manager().compiler.compile(constraint)
+
+    def _grammar_manager(self):
+        with self._grammar_lock:
+            if self.grammar is None:
+                from engine.grammar.compiler import GrammarCompiler, tokenizer_info
+                from engine.grammar.matcher import GrammarManager
+
+                cfg = self.config
+                compiler = GrammarCompiler(
+                    tokenizer_info(self.tokenizer, self.vocab_size, self.eos_token_ids),
+                    cfg.grammar_cache_size,
+                    cfg.grammar_compile_timeout,
+                )
+                rows = cfg.max_num_seqs * (MAX_SPECULATIVE_TOKENS + 1)
+                grammar = GrammarManager(compiler, self.tokenizer, self.vocab_size, rows)
+                self.runner.logits_masker = grammar.mask
+                if self.draft_runner is not None:
+                    self.proposer.logits_masker = grammar.mask
+                if cfg.grammar_forced_tokens and self.forced_tokens is None:
+                    self.forced_tokens = grammar
+                self.grammar = grammar
+            return self.grammar
 
     def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -262,6 +300,12 @@ class LLMEngine:
             request.spec_token_ids = request.forced_token_ids[:k]
         if self.proposer is not None:
             self.proposer.propose(sched, tables)
+        if self.grammar is not None:  # cut each draft list at its first token the grammar refuses
+            for request in sched.requests:
+                n = self.grammar.valid_prefix(request, request.spec_token_ids)
+                del request.spec_token_ids[n:]
+                if request.draft_probs is not None:
+                    request.draft_probs = request.draft_probs[:n]
         for i, request in enumerate(sched.requests):
             num_drafts = len(request.spec_token_ids)
             sched.num_new_tokens[i] -= sched.num_drafts[i] - num_drafts
@@ -305,6 +349,7 @@ class LLMEngine:
         """Append one token and check stop conditions; True when the request finished."""
         request.append_token(token)
         self.num_generated_tokens += 1
+        terminated = request.grammar is not None and self.grammar.commit(request, token)
         if group.metrics.first_token_time is None:
             group.metrics.first_token_time = time.monotonic()
         if logprobs is not None:
@@ -321,6 +366,8 @@ class LLMEngine:
                 status = RequestStatus.FINISHED_STOPPED
         if status is None and (stop := detok.add_token(token, may_stop)) is not None:
             status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+        if status is None and terminated:  # the grammar is complete (e.g. with ignore_eos)
+            status = RequestStatus.FINISHED_STOPPED
         if status is None and request.num_output_tokens >= request.max_output_tokens:
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:

@@ -66,6 +66,8 @@ class ModelRunner:
             cfg.num_layers, 2, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim
         )
         self.generator = torch.Generator().manual_seed(0)
+        # Constrained decoding: masker(logits [R, V], [(request, drafts before row i)]) in place.
+        self.logits_masker = None
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         for src, dst in copies:
@@ -123,7 +125,7 @@ class ModelRunner:
 
     def _sample(self, hidden: torch.Tensor, verify_rows, result: StepResult) -> None:
         """verify_rows: (request, row of its last real token); its drafts' rows follow."""
-        rows, views, spans, span_members = [], [], [], []
+        rows, views, spans, span_members, mask_rows = [], [], [], [], []
         for request, row in verify_rows:
             members = [request]
             if request.siblings and request.num_output_tokens == 0:
@@ -144,10 +146,13 @@ class ModelRunner:
                 for j in range(len(drafts) + 1):
                     rows.append(row + j)
                     views.append(RequestAt(member, drafts[:j]) if j else member)
+                    mask_rows.append((member, drafts[:j]))
         if not rows:
             return
         logits = self.model.compute_logits(hidden[torch.tensor(rows)])  # [R, V]
         logits = logits[:, : self.cfg.vocab_size]
+        if self.logits_masker is not None:
+            self.logits_masker(logits, mask_rows)
         batch = SamplingBatch.from_requests(views, self.cfg.vocab_size)
         verdicts = verify(process_logits(logits, batch), spans, self.generator)
         lp_rows, lp_tokens, lp_members = [], [], []

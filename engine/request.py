@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -11,6 +12,9 @@ from engine.block_pool import hash_block
 from engine.sampling_params import SamplingParams
 from spec.adaptive import Acceptance
 from spec.metrics import SpecStats
+
+if TYPE_CHECKING:
+    from engine.grammar.matcher import RequestGrammar
 
 
 class RequestStatus(IntEnum):
@@ -97,6 +101,7 @@ class Request(TokenHistory):
         self.num_draft_computed = 0
         self.spec = SpecStats()
         self.acceptance = Acceptance()
+        self.grammar: RequestGrammar | None = None  # set when params.structured_outputs is
 
     @property
     def is_decoding(self) -> bool:

@@ -82,7 +82,10 @@ def apply_logit_bias_and_bans(logits: torch.Tensor, requests: list[Request]) -> 
         if r.num_output_tokens < p.min_tokens:
             banned = list(r.eos_token_ids) + list(p.stop_token_ids)
             if banned:
+                kept = logits[row, banned].clone()
                 logits[row, banned] = NEG_INF
+                if not torch.isfinite(logits[row]).any():  # a grammar that can only end here
+                    logits[row, banned] = kept  # wins over min_tokens
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.config import MAX_SPECULATIVE_TOKENS
+from engine.grammar.constraint import StructuredOutputs
 
 _EPS = 1e-5
 
@@ -31,6 +32,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     num_speculative_tokens: int | None = None  # drafts per step; None: the engine's default
+    # Constrained output: a JSON schema, json_object, regex, EBNF grammar or choice list
+    # (a StructuredOutputs or a dict with its field names).
+    structured_outputs: StructuredOutputs | dict | None = None
     extra: dict = field(default_factory=dict)  # room for later features
 
     def __post_init__(self) -> None:
@@ -44,6 +48,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        self.structured_outputs = StructuredOutputs.coerce(self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:

@@ -121,6 +121,8 @@ class Scheduler:
         self.kv.free(request)
         request.num_computed_tokens = request.num_draft_computed = 0
         request.spec_token_ids, request.draft_probs = [], None
+        if request.grammar is not None:
+            request.grammar.release()  # a re-admitted request replays its output
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -137,6 +139,8 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv.free(request)
+        if request.grammar is not None:
+            request.grammar.release()
         request.status = status
 
     @property

@@ -30,6 +30,7 @@ class DraftModelProposer:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
         self.pass_times: list[tuple[int, float]] = []  # (rows, seconds) per pass, for the engine
+        self.logits_masker = None  # the engine's grammar masks, once a request is constrained
 
     @torch.inference_mode()
     def propose(self, sched: SchedulerOutput, tables: dict[Request, list[int]]) -> None:
@@ -68,6 +69,8 @@ class DraftModelProposer:
         """Append each request's next greedy draft, under its own logits pipeline."""
         model = self.runner.model
         logits = model.compute_logits(hidden)[:, : self.runner.cfg.vocab_size]
+        if self.logits_masker is not None:  # propose only what the grammar allows
+            self.logits_masker(logits, [(r, r.spec_token_ids) for r in requests])
         views = [RequestAt(r, r.spec_token_ids) for r in requests]
         batch = SamplingBatch.from_requests(views, self.runner.cfg.vocab_size)
         tokens = process_logits(logits, batch).argmax(dim=-1).tolist()

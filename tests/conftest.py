@@ -21,3 +21,9 @@ def tiny_llama(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def draft_model(tmp_path_factory) -> Path:
+    """Another random Llama with tiny_llama's shapes and vocabulary: a draft that mostly misses."""
+    return make_tiny_model(tmp_path_factory.mktemp("draft"), "llama", seed=1)

@@ -9,7 +9,6 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
-from models import make_tiny_model
 from spec.adaptive import Acceptance, AdaptiveSpeculation, Candidate, LinearCost
 
 
@@ -172,11 +171,6 @@ def test_plan_is_near_the_exhaustive_optimum(seed):
 
 
 # ---- through the engine -----------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def draft_model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("draft"), "llama", seed=1)
-
-
 def repetitive_prompts(n: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     out = []

@@ -42,11 +42,6 @@ def params() -> list[SamplingParams]:
 
 
 @pytest.fixture(scope="module")
-def draft_model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("draft"), "llama", seed=1)
-
-
-@pytest.fixture(scope="module")
 def reference(tiny_llama):
     llm = LLM(str(tiny_llama), num_kv_blocks=512)
     return [o.outputs[0].token_ids for o in llm.generate(prompts(), params(), use_tqdm=False)]

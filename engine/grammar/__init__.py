@@ -1,0 +1,5 @@
+"""Grammar-constrained decoding with xgrammar: constraints, compilation, per-request matchers."""
+
+from engine.grammar.constraint import StructuredOutputs
+
+__all__ = ["StructuredOutputs"]
