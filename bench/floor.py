@@ -1,0 +1,114 @@
+"""How fast could any engine built on this machine's fp32 kernels run bench.throughput's full
+workload? A lower bound from measured pieces, to set against 10x HF sequential.
+
+    python -m bench.floor [--hf-seq-seconds S]
+
+One thread. It times the engine's own linear kernels (oneDNN packed weights, the faster of the
+options measured in bench/RESULTS.md) for one SmolLM2 layer's four projections at each batch
+size the workload's decode steps have, times 30 layers, plus the LM head; prefill at 1024-row
+chunks (the engine's token budget). The decode attention floor is the KV cache read once per
+step (the sum over steps and running requests of context length x K/V bytes per token) at the
+measured single-thread read bandwidth. Everything else (attention arithmetic, prefill attention,
+norms, RoPE, activations, sampling, Python) counts as zero, so the real floor is higher.
+Last line: RESULT floor_seconds=.. max_x_hf_seq=..
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "torch" not in sys.modules:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse
+import time
+
+import torch
+
+from bench.workload import make_workload
+from engine.models.loader import load_model
+from engine.models.registry import resolve_model
+
+# bench.throughput's full workload: 64 requests, seed 0 (see bench/RESULTS.md).
+FULL = dict(n=64, seed=0, prompt=(100, 0.8, 16, 512), output=(80, 0.8, 8, 256))
+
+
+def best_seconds(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@torch.inference_mode()
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--hf-seq-seconds", type=float, default=637.6, help="measured hf_seq time")
+    ap.add_argument("--token-budget", type=int, default=1024)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    model, cfg, _ = load_model(resolve_model("smollm2-135m-instruct"))
+    layer = model.layers[0]
+    projections = [
+        (layer.qkv_proj, cfg.hidden_size),
+        (layer.o_proj, cfg.num_heads * cfg.head_dim),
+        (layer.gate_up_proj, cfg.hidden_size),
+        (layer.down_proj, cfg.intermediate_size),
+    ]
+    cache: dict[int, tuple[float, float]] = {}
+
+    def cost(rows: int) -> tuple[float, float]:
+        """(30 layers of projections, LM head) seconds at this many rows."""
+        if rows not in cache:
+            repeats = 3 if rows > 256 else 10
+            layers = 0.0
+            for proj, width in projections:
+                x = torch.randn(rows, width)
+                layers += best_seconds(lambda proj=proj, x=x: proj(x), repeats)
+            h = torch.randn(rows, cfg.hidden_size)
+            head = best_seconds(lambda: model.compute_logits(h), repeats)
+            cache[rows] = (layers * cfg.num_layers, head)
+        return cache[rows]
+
+    wl = make_workload(FULL["n"], FULL["seed"], cfg.vocab_size, FULL["prompt"], FULL["output"])
+    prompt_tokens = wl.num_prompt_tokens
+    prefill = prompt_tokens / args.token_budget * cost(args.token_budget)[0]
+    prefill += cost(len(wl.prompts))[1]  # each request's first token
+    decode_proj = decode_head = 0.0
+    for t in range(1, max(wl.out_lens)):
+        rows = sum(1 for n in wl.out_lens if n > t)
+        proj, head = cost(rows)
+        decode_proj, decode_head = decode_proj + proj, decode_head + head
+    kv_bytes_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
+    contexts = sum(
+        n * len(p) + n * (n - 1) / 2 for p, n in zip(wl.prompts, wl.out_lens, strict=True)
+    )
+    x = torch.randn(16 * 1024 * 1024)  # 64 MB
+    bandwidth = x.numel() * 4 / best_seconds(x.sum, 10)
+    kv_read = contexts * kv_bytes_per_token / bandwidth
+    floor = prefill + decode_proj + decode_head + kv_read
+    budget = args.hf_seq_seconds / 10
+    print(f"# workload: {prompt_tokens} prompt tokens, {sum(wl.out_lens)} output tokens")
+    print(f"prefill projections ({args.token_budget}-row chunks): {prefill:.1f} s")
+    print(f"decode projections: {decode_proj:.1f} s, LM head: {decode_head:.1f} s")
+    print(
+        f"decode KV read once: {contexts * kv_bytes_per_token / 1e9:.1f} GB at "
+        f"{bandwidth / 1e9:.1f} GB/s = {kv_read:.1f} s"
+    )
+    for rows in (1, 16, 32, 64, args.token_budget):
+        proj, head = cost(rows)
+        print(f"#   {rows} rows: projections {1e3 * proj:.1f} ms, LM head {1e3 * head:.1f} ms")
+    print(
+        f"floor {floor:.1f} s; 10x HF sequential ({args.hf_seq_seconds:.1f} s) needs {budget:.1f} s"
+    )
+    print(f"RESULT floor_seconds={floor:.1f} max_x_hf_seq={args.hf_seq_seconds / floor:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
