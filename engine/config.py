@@ -41,6 +41,13 @@ class EngineConfig:
     grammar_cache_size: int = 256
     grammar_compile_timeout: float = 10.0
     grammar_forced_tokens: bool = True
+    # Multi-LoRA: adapters per request (lora.LoRARequest). max_loras: distinct adapters in one
+    # step (slots); max_cpu_loras: adapters kept loaded (LRU; default 2 x max_loras);
+    # max_lora_rank: the largest rank accepted (every slot is padded to it).
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
@@ -77,6 +84,17 @@ class EngineConfig:
             raise ValueError(
                 f"ngram_min/ngram_max must satisfy 1 <= ngram_min <= ngram_max, "
                 f"got {self.ngram_min!r}, {self.ngram_max!r}"
+            )
+        for name in ("max_loras", "max_lora_rank"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.max_cpu_loras is not None and (
+            not isinstance(self.max_cpu_loras, int) or self.max_cpu_loras < self.max_loras
+        ):
+            raise ValueError(
+                f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), "
+                f"got {self.max_cpu_loras!r}"
             )
         if not isinstance(self.grammar_cache_size, int) or self.grammar_cache_size < 1:
             raise ValueError(

@@ -90,5 +90,6 @@ def snapshot(engine) -> dict:
             "draft_seconds": engine.spec_time["draft"],
             "verify_seconds": engine.spec_time["verify"],
             "adaptive": engine.adaptive.describe() if engine.adaptive is not None else None,
+            "by_adapter": {name: s.as_dict() for name, s in engine.spec_by_adapter.items()},
         },
     }

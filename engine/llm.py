@@ -12,8 +12,16 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from lora.adapter import LoRARequest
 
 Prompt = str | list[int] | dict
+
+
+def _per_prompt(name: str, value, n: int) -> list:
+    values = list(value) if isinstance(value, list | tuple) else [value] * n
+    if len(values) != n:
+        raise ValueError(f"{name} has {len(values)} entries for {n} prompts")
+    return values
 
 
 def _prompt_input(prompt: Prompt) -> str | list[int]:
@@ -54,13 +62,17 @@ class LLM:
             )
         return [_prompt_input(p) for p in prompts], list(params)
 
-    def _add_all(self, prompts: list, params: list[SamplingParams]) -> list[str]:
+    def _add_all(
+        self, prompts: list, params: list[SamplingParams], lora_request=None, draft_lora=None
+    ) -> list[str]:
         """Add every prompt, or none: a bad one aborts those already added and re-raises."""
+        loras = _per_prompt("lora_request", lora_request, len(prompts))
+        drafts = _per_prompt("draft_lora_request", draft_lora, len(prompts))
         ids = []
         try:
-            for prompt, p in zip(prompts, params, strict=True):
+            for prompt, p, lora, draft in zip(prompts, params, loras, drafts, strict=True):
                 rid = f"llm-{next(self._ids)}"
-                self.engine.add_request(rid, prompt, p)
+                self.engine.add_request(rid, prompt, p, lora_request=lora, draft_lora_request=draft)
                 ids.append(rid)
         except Exception:
             self.engine.abort_request(ids)
@@ -72,9 +84,13 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        draft_lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """lora_request: one adapter for every prompt, or one (or None) per prompt;
+        draft_lora_request: the same for the draft model (draft-model speculation only)."""
         prompts, params = self._normalize(prompts, sampling_params)
-        ids = self._add_all(prompts, params)
+        ids = self._add_all(prompts, params, lora_request, draft_lora_request)
         finals: dict[str, RequestOutput] = {}
         wanted = set(ids)
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
@@ -92,11 +108,14 @@ class LLM:
         return [finals[i] for i in ids]
 
     def stream(
-        self, prompt: Prompt, sampling_params: SamplingParams | None = None
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Iterator[RequestOutput]:
         """Yields RequestOutputs whose completions hold only what is new since the last one."""
         prompts, params = self._normalize(prompt, sampling_params)
-        (rid,) = self._add_all(prompts[:1], params[:1])
+        (rid,) = self._add_all(prompts[:1], params[:1], lora_request)
         sent: dict[int, tuple[int, int]] = {}  # completion index -> (chars, tokens) sent
         try:
             finished = False
@@ -127,10 +146,11 @@ class LLM:
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.apply_chat_template(c) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
@@ -142,3 +162,9 @@ class LLM:
 
     def abort(self, request_id: str | list[str]) -> None:
         self.engine.abort_request(request_id)
+
+    def load_lora(self, lora_request: LoRARequest) -> None:
+        self.engine.load_lora(lora_request)
+
+    def unload_lora(self, name: str) -> None:
+        self.engine.unload_lora(name)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 
 import torch
 from transformers import AutoTokenizer
@@ -20,6 +21,8 @@ from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOut
 from engine.request import FINISH_REASONS, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from lora.adapter import LoRAAdapter, LoRARequest, load_adapter
+from lora.batch import LoRASlots
 from spec.adaptive import AdaptiveSpeculation
 from spec.draft_model import DraftModelProposer
 from spec.metrics import SpecStats
@@ -74,13 +77,27 @@ class LLMEngine:
             block_bytes += kv_bytes_per_block(draft[1], config.block_size)
         num_blocks = config.num_kv_blocks or max(2, config.kv_budget_bytes() // block_bytes)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.kv,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.max_loras if config.enable_lora else None,
+        )
         self.runner = ModelRunner(model, cfg, num_blocks, config.block_size)
+        self.loras: OrderedDict[str, LoRAAdapter] = OrderedDict()  # loaded, least recent first
+        self.draft_loras: OrderedDict[str, LoRAAdapter] = OrderedDict()  # for the draft model
+        if config.enable_lora:
+            self.runner.lora_slots = LoRASlots(cfg, config.max_loras, config.max_lora_rank)
         self.runner.generator.manual_seed(config.seed)
         self.draft_runner = None
         self.proposer: Proposer | None = None
         if draft is not None:
             self.draft_runner = ModelRunner(*draft, num_blocks, config.block_size)
+            self.draft_runner.lora_of = lambda request: request.draft_lora
+            if config.enable_lora:
+                self.draft_runner.lora_slots = LoRASlots(
+                    draft[1], config.max_loras, config.max_lora_rank
+                )
             self.proposer = DraftModelProposer(self.draft_runner)
         elif config.spec_method == "ngram":
             self.proposer = NgramProposer(config.ngram_min, config.ngram_max)
@@ -91,6 +108,7 @@ class LLMEngine:
         self.grammar = None  # GrammarManager, made for the first constrained request
         self._grammar_lock = threading.Lock()
         self.spec_stats = SpecStats()
+        self.spec_by_adapter: dict[str, SpecStats] = {}
         self.spec_time = {"draft": 0.0, "verify": 0.0}
         self.groups: dict[str, RequestGroup] = {}
         self.num_steps = 0
@@ -103,7 +121,11 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
+        draft_lora_request: LoRARequest | None = None,
     ) -> None:
+        """lora_request: the target's adapter; draft_lora_request: the draft model's own adapter
+        (a draft-model engine only; none by default)."""
         params = params or SamplingParams()
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -117,7 +139,12 @@ class LLMEngine:
         self._check_fits(ids, params)
         params.check_vocab(self.vocab_size)
         compiled = self.compile_constraint(params.structured_outputs)
-        salt = (cache_salt or "").encode()
+        adapter = self.load_lora(lora_request) if lora_request is not None else None
+        draft_adapter = None
+        if draft_lora_request is not None:
+            draft_adapter = self.load_lora(draft_lora_request, for_draft=True)
+        # Prefix-cache keys carry the adapter and its version: different adapters never share KV.
+        salt = (cache_salt or "").encode() + (adapter.cache_key if adapter else b"")
         requests = [
             Request(
                 request_id,
@@ -131,8 +158,9 @@ class LLMEngine:
             )
             for i in range(params.n)
         ]
-        if compiled is not None:
-            for r in requests:
+        for r in requests:
+            r.lora, r.draft_lora = adapter, draft_adapter
+            if compiled is not None:
                 self.grammar.attach(r, compiled, params.structured_outputs.kind)
         for sibling in requests[1:]:
             sibling.status = RequestStatus.FORK_PENDING
@@ -149,6 +177,54 @@ class LLMEngine:
         ]
         self.groups[request_id] = RequestGroup(request_id, text, requests, detoks)
         self.scheduler.add(requests[0])
+
+    # ---- LoRA adapters ---------------------------------------------------------------------
+    def load_lora(self, lora_request: LoRARequest, for_draft: bool = False) -> LoRAAdapter:
+        """Load (or find loaded) the adapter a request names (for the draft model with
+        for_draft). Loading a name again from another path replaces it: requests in flight keep
+        the weights they started with."""
+        what = "draft_lora_request" if for_draft else "lora_request"
+        if not self.config.enable_lora:
+            raise ValueError(f"{what} needs an engine with enable_lora=True")
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"{what} must be a LoRARequest, got {lora_request!r:.80}")
+        if for_draft and self.draft_runner is None:
+            raise ValueError("draft_lora_request needs an engine with a draft model")
+        loaded = self.draft_loras if for_draft else self.loras
+        current = loaded.get(lora_request.name)
+        if current is not None and current.path == str(lora_request.path):
+            loaded.move_to_end(lora_request.name)
+            return current
+        cfg = self.draft_runner.cfg if for_draft else self.model_config
+        adapter = load_adapter(lora_request, cfg, self.config.max_lora_rank)
+        loaded[lora_request.name] = adapter
+        loaded.move_to_end(lora_request.name)
+        limit = self.config.max_cpu_loras or 2 * self.config.max_loras
+        in_use = self._loras_in_use()
+        for name in [n for n, a in loaded.items() if id(a) not in in_use]:
+            if len(loaded) <= limit:
+                break
+            self.unload_lora(name, for_draft)
+        return adapter
+
+    def unload_lora(self, name: str, for_draft: bool = False) -> None:
+        """Forget an adapter. Requests in flight with it finish with it (they hold its weights);
+        new requests must load it again."""
+        adapter = (self.draft_loras if for_draft else self.loras).pop(name, None)
+        if adapter is None:
+            raise ValueError(f"no LoRA adapter named {name!r} is loaded")
+        if id(adapter) not in self._loras_in_use():
+            runner = self.draft_runner if for_draft else self.runner
+            runner.lora_slots.evict(adapter)
+
+    def _loras_in_use(self) -> set[int]:
+        return {
+            id(a)
+            for g in self.groups.values()
+            for r in g.requests
+            for a in (r.lora, r.draft_lora)
+            if a is not None
+        }
 
     def compile_constraint(self, constraint: StructuredOutputs | None):
         """Compile (or fetch from the cache) a request's constraint; ValueError if it is invalid,
@@ -239,6 +315,9 @@ class LLMEngine:
                 num_forced = min(len(request.forced_token_ids), k)
                 request.spec.record(k, num_accepted, num_forced)
                 self.spec_stats.record(k, num_accepted, num_forced)
+                if request.lora is not None:  # acceptance per adapter
+                    by_adapter = self.spec_by_adapter.setdefault(request.lora.name, SpecStats())
+                    by_adapter.record(k, num_accepted, num_forced)
                 if self.adaptive is not None and num_accepted >= num_forced:
                     # The proposer's share: its drafts were judged only if the forced ones held.
                     self.adaptive.observe_verification(

@@ -16,6 +16,7 @@ from engine.models.llama import LlamaForCausalLM, ModelConfig
 from engine.request import Request
 from engine.sampler import RequestAt, SamplingBatch, process_logits, top_logprobs
 from engine.scheduler import SchedulerOutput
+from lora.batch import LoRABatch, LoRASlots
 from spec.rejection import VerifyRow, verify
 
 # token id -> (logprob, rank) for one position
@@ -68,6 +69,8 @@ class ModelRunner:
         self.generator = torch.Generator().manual_seed(0)
         # Constrained decoding: masker(logits [R, V], [(request, drafts before row i)]) in place.
         self.logits_masker = None
+        self.lora_slots: LoRASlots | None = None  # adapter slots, when LoRA is enabled
+        self.lora_of = lambda request: request.lora  # which of a request's adapters runs here
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         for src, dst in copies:
@@ -101,7 +104,21 @@ class ModelRunner:
             torch.tensor(positions, dtype=torch.long),
             self.kv_caches,
             meta,
+            self._lora_batch(items),
         )
+
+    def _lora_batch(self, items: list[ForwardItem]) -> LoRABatch | None:
+        if self.lora_slots is None:
+            return None
+        loras = [self.lora_of(item.request) for item in items]
+        adapters = list({id(a): a for a in loras if a is not None}.values())
+        if not adapters:
+            return None
+        slot_of = self.lora_slots.activate(adapters)
+        token_slots = []
+        for item, lora in zip(items, loras, strict=True):
+            token_slots += [slot_of[id(lora)] if lora else 0] * len(item.token_ids)
+        return LoRABatch.build(self.lora_slots, token_slots)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, tables: dict[Request, list[int]]) -> StepResult:

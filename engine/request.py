@@ -15,6 +15,7 @@ from spec.metrics import SpecStats
 
 if TYPE_CHECKING:
     from engine.grammar.matcher import RequestGrammar
+    from lora.adapter import LoRAAdapter
 
 
 class RequestStatus(IntEnum):
@@ -102,6 +103,8 @@ class Request(TokenHistory):
         self.spec = SpecStats()
         self.acceptance = Acceptance()
         self.grammar: RequestGrammar | None = None  # set when params.structured_outputs is
+        self.lora: LoRAAdapter | None = None  # the request's adapter (target model)
+        self.draft_lora: LoRAAdapter | None = None  # the draft model's adapter, if any
 
     @property
     def is_decoding(self) -> bool:

@@ -35,8 +35,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_loras: int | None = None,
+    ):
         self.kv = kv
+        self.max_loras = max_loras  # distinct adapters in one step; None = no adapters
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -49,13 +56,18 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        loras: tuple[set, set] = (set(), set())  # target and draft adapters in this step (ids)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if not self._lora_fits(request, loras):
+                i += 1  # its adapter has no slot this step: it runs when an older one is done
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             num_drafts = self._draft_slots(request, num_new, budget)
             if not self._allocate_or_preempt(request, num_new, num_drafts, out):
                 break  # the request preempted itself: nothing after it can run either
+            self._take_loras(request, loras)
             budget -= out.num_new_tokens[-1]
             i += 1
         while self.waiting and budget > 0 and not out.preempted:
@@ -64,6 +76,8 @@ class Scheduler:
             seats = 1 + len(request.siblings)
             if len(self.running) + seats > self.max_num_seqs and self.running:
                 break
+            if not self._lora_fits(request, loras):
+                break  # FCFS: nobody overtakes it
             prefix = self.kv.find_prefix(request) if request.num_computed_tokens == 0 else []
             num_cached = len(prefix) * self.kv.block_size
             num_new = min(request.num_tokens - num_cached, budget)
@@ -78,9 +92,24 @@ class Scheduler:
             request.num_draft_computed = self.kv.num_draft_ready(prefix) * self.kv.block_size
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            self._take_loras(request, loras)
             self._emit(out, request, num_new, 0, copy)
             budget -= num_new
         return out
+
+    def _lora_fits(self, request: Request, loras: tuple[set, set]) -> bool:
+        """Its adapters (target's, draft's) are in this step already or still have a slot."""
+        for adapter, taken in zip((request.lora, request.draft_lora), loras, strict=True):
+            full = self.max_loras is None or len(taken) >= self.max_loras
+            if adapter is not None and id(adapter) not in taken and full:
+                return False
+        return True
+
+    @staticmethod
+    def _take_loras(request: Request, loras: tuple[set, set]) -> None:
+        for adapter, taken in zip((request.lora, request.draft_lora), loras, strict=True):
+            if adapter is not None:
+                taken.add(id(adapter))
 
     @staticmethod
     def _draft_slots(request: Request, num_new: int, budget: int) -> int:

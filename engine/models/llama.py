@@ -8,6 +8,7 @@ LM head, Mistral by an optional sliding window.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +16,9 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.models.quant import linear_int8, pack_int8
+
+if TYPE_CHECKING:
+    from lora.batch import LoRABatch
 
 SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
 
@@ -129,8 +133,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
+        self.index = index  # position in the stack (LoRA weights are per layer)
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads,
             cfg.num_kv_heads,
@@ -153,17 +158,26 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         kv_cache: torch.Tensor,  # [2, Hkv, num_blocks, block_size, D]
         meta: AttentionMetadata,
+        lora: LoRABatch | None = None,  # per-row adapters, when any row has one
     ) -> torch.Tensor:
         n = x.shape[0]
-        qkv = self.qkv_proj(self.input_layernorm(x))
+        h = self.input_layernorm(x)
+        qkv = self._project(self.qkv_proj, "qkv", h, lora)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         attn = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        x = x + self.o_proj(attn.reshape(n, self.q_size))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        x = x + self._project(self.o_proj, "o", attn.reshape(n, self.q_size), lora)
+        h = self.post_attention_layernorm(x)
+        gate, up = self._project(self.gate_up_proj, "gate_up", h, lora).chunk(2, dim=-1)
+        return x + self._project(self.down_proj, "down", F.silu(gate) * up, lora)
+
+    def _project(self, linear: Linear, group: str, x: torch.Tensor, lora) -> torch.Tensor:
+        y = linear(x)
+        if lora is not None:
+            lora.apply(self.index, group, x, y)
+        return y
 
 
 class LlamaForCausalLM(nn.Module):
@@ -171,7 +185,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # [vocab, hidden], shared with the embedding when tied; F.linear reads it as is.
         self.lm_head_packed: torch.Tensor | None = None  # oneDNN copy for more than one row
@@ -193,12 +207,13 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [N]
         kv_caches: torch.Tensor,  # [num_layers, 2, Hkv, num_blocks, block_size, D]
         meta: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:  # [N, hidden]
         x = self.embed_tokens(input_ids)
         cos = self.cos_cache[positions].unsqueeze(1)
         sin = self.sin_cache[positions].unsqueeze(1)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_caches[i], meta)
+            x = layer(x, cos, sin, kv_caches[i], meta, lora)
         return self.norm(x)
 
     def pack_linear_weights(self) -> None:

@@ -1,0 +1,148 @@
+"""Many adapters in one forward pass: adapter slots and the batched LoRA update (torch; the Triton
+shrink/expand kernels come with the kernels issue).
+
+`LoRASlots` keeps up to `max_loras` adapters resident as stacked weights, per layer and
+projection: A [S + 1, in, R] and B [S + 1, R, out] (R = max_lora_rank, ranks below R padded with
+zeros, the scale folded into B; slot 0 is all zeros). A step's `LoRABatch` maps each token row to
+its request's slot, and every adapted projection adds, for the rows that have an adapter,
+
+    y[t] += (x[t] A[slot(t)]) B[slot(t)]
+
+two ways, as vLLM's SGMV / BGMV kernels split the work: an adapter with many rows in the step (a
+prefill chunk) gets two plain matmuls over its segment of rows; the rows of adapters with few
+(decodes) gather their own A and B and run as one batched matmul, whose cost follows the number
+of rows, not the number of distinct adapters. Rows without an adapter are skipped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from lora.adapter import LoRAAdapter, projection_shapes
+
+if TYPE_CHECKING:
+    from engine.models.llama import ModelConfig
+
+# Our fused projections and the PEFT modules inside them, in output order.
+GROUPS = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+
+
+class LoRASlots:
+    def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int):
+        self.shapes = projection_shapes(cfg)
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.a: dict[tuple[int, str], torch.Tensor] = {}  # [S + 1, in, R]
+        self.b: dict[tuple[int, str], torch.Tensor] = {}  # [S + 1, R, out]
+        self.resident: list[LoRAAdapter | None] = [None] * (max_loras + 1)  # index 0 unused
+        self.last_used = [0] * (max_loras + 1)
+        self.clock = 0
+        self.num_loads = 0
+
+    @torch.inference_mode()
+    def activate(self, adapters: list[LoRAAdapter]) -> dict[int, int]:
+        """Make these (distinct, at most max_loras) adapters resident; id(adapter) -> slot.
+        Slots of adapters not in this step are reused least recently used first."""
+        if len(adapters) > self.max_loras:
+            raise ValueError(f"{len(adapters)} adapters in one step, max_loras={self.max_loras}")
+        self.clock += 1
+        wanted = {id(a) for a in adapters}
+        slot_of = {}
+        for adapter in adapters:
+            slot = next((s for s in range(1, self.max_loras + 1) if self.resident[s] is adapter), 0)
+            if not slot:
+                free = [
+                    s
+                    for s in range(1, self.max_loras + 1)
+                    if self.resident[s] is None or id(self.resident[s]) not in wanted
+                ]
+                slot = min(free, key=lambda s: (self.resident[s] is not None, self.last_used[s]))
+                self._write(slot, adapter)
+            self.last_used[slot] = self.clock
+            slot_of[id(adapter)] = slot
+        return slot_of
+
+    @torch.inference_mode()
+    def evict(self, adapter: LoRAAdapter) -> None:
+        for s in range(1, self.max_loras + 1):
+            if self.resident[s] is adapter:
+                self._clear(s)
+                self.resident[s] = None
+
+    def _clear(self, slot: int) -> None:
+        for key in self.a:
+            self.a[key][slot].zero_()
+            self.b[key][slot].zero_()
+
+    def _write(self, slot: int, adapter: LoRAAdapter) -> None:
+        self._clear(slot)
+        for (layer, proj), (a, b) in adapter.weights.items():
+            key = (layer, proj)
+            if key not in self.a:
+                size_in, size_out = self.shapes[proj]
+                self.a[key] = torch.zeros(self.max_loras + 1, size_in, self.max_rank)
+                self.b[key] = torch.zeros(self.max_loras + 1, self.max_rank, size_out)
+            r = a.shape[1]
+            self.a[key][slot, :, :r] = a
+            self.b[key][slot, :r, :] = b
+        self.resident[slot] = adapter
+        self.num_loads += 1
+
+
+# An adapter with at least this many rows in a step takes the segment path.
+MIN_SEGMENT_ROWS = 4
+
+
+@dataclass
+class LoRABatch:
+    """One forward pass's adapter mapping."""
+
+    slots: LoRASlots
+    segments: list[tuple[int, torch.Tensor]]  # (slot, [m] int64 rows): many rows, one adapter
+    rows: torch.Tensor | None  # [n] int64, the other rows that have an adapter (gathered)
+    slot_ids: torch.Tensor | None  # [n] int64, their slots
+
+    @classmethod
+    def build(cls, slots: LoRASlots, token_slots: list[int]) -> LoRABatch | None:
+        """token_slots: a slot per token row (0 = no adapter); None when no row has one."""
+        by_slot: dict[int, list[int]] = {}
+        for row, slot in enumerate(token_slots):
+            if slot:
+                by_slot.setdefault(slot, []).append(row)
+        if not by_slot:
+            return None
+        segments, rows, slot_ids = [], [], []
+        for slot, members in by_slot.items():
+            if len(members) >= MIN_SEGMENT_ROWS:
+                segments.append((slot, torch.tensor(members, dtype=torch.long)))
+            else:
+                rows += members
+                slot_ids += [slot] * len(members)
+        gathered = torch.tensor(rows, dtype=torch.long) if rows else None
+        ids = torch.tensor(slot_ids, dtype=torch.long) if rows else None
+        return cls(slots, segments, gathered, ids)
+
+    def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y [T, sum of outs] += the group's LoRA updates of x [T, in], in place."""
+        xs = [x.index_select(0, rows) for _, rows in self.segments]  # [m, in] each
+        xg = x.index_select(0, self.rows)[:, None, :] if self.rows is not None else None
+        offset = 0
+        for proj in GROUPS[group]:
+            size_out = self.slots.shapes[proj][1]
+            a, b = self.slots.a.get((layer, proj)), self.slots.b.get((layer, proj))
+            if a is not None:
+                out = y[:, offset : offset + size_out]
+                for (slot, rows), x_seg in zip(self.segments, xs, strict=True):
+                    out.index_add_(0, rows, (x_seg @ a[slot]) @ b[slot])  # [m, out]
+                if xg is not None:
+                    shrunk = torch.bmm(xg, a.index_select(0, self.slot_ids))  # [n, 1, R]
+                    delta = torch.bmm(shrunk, b.index_select(0, self.slot_ids))  # [n, 1, out]
+                    out.index_add_(0, self.rows, delta[:, 0])
+            offset += size_out
