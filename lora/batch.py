@@ -8,10 +8,11 @@ its request's slot, and every adapted projection adds, for the rows that have an
 
     y[t] += (x[t] A[slot(t)]) B[slot(t)]
 
-two ways, as vLLM's SGMV / BGMV kernels split the work: an adapter with many rows in the step (a
-prefill chunk) gets two plain matmuls over its segment of rows; the rows of adapters with few
-(decodes) gather their own A and B and run as one batched matmul, whose cost follows the number
-of rows, not the number of distinct adapters. Rows without an adapter are skipped.
+two ways: an adapter with many rows in the step (a prefill chunk) gets two plain matmuls over its
+segment of rows; the rows of adapters with few (decodes) are laid out slot-major, [slots, rows
+per slot, in] (zero-padded), and run as one batched matmul against the stacks' own slot range
+(a view: no weight is copied, each resident adapter's A and B is read once per step). Rows
+without an adapter are skipped.
 """
 
 from __future__ import annotations
@@ -96,8 +97,8 @@ class LoRASlots:
         self.num_loads += 1
 
 
-# An adapter with at least this many rows in a step takes the segment path.
-MIN_SEGMENT_ROWS = 4
+# An adapter with more than this many rows in a step takes the segment path.
+MAX_PACKED_ROWS = 8
 
 
 @dataclass
@@ -106,8 +107,11 @@ class LoRABatch:
 
     slots: LoRASlots
     segments: list[tuple[int, torch.Tensor]]  # (slot, [m] int64 rows): many rows, one adapter
-    rows: torch.Tensor | None  # [n] int64, the other rows that have an adapter (gathered)
-    slot_ids: torch.Tensor | None  # [n] int64, their slots
+    # The other rows with an adapter, packed slot-major over the slot range [lo, hi):
+    rows: torch.Tensor | None  # [n] int64 token rows
+    packed: torch.Tensor | None  # [n] int64 index into [(hi - lo) * width]
+    slot_range: tuple[int, int] = (0, 0)  # lo, hi
+    width: int = 0  # rows per slot in the packed layout
 
     @classmethod
     def build(cls, slots: LoRASlots, token_slots: list[int]) -> LoRABatch | None:
@@ -118,21 +122,36 @@ class LoRABatch:
                 by_slot.setdefault(slot, []).append(row)
         if not by_slot:
             return None
-        segments, rows, slot_ids = [], [], []
+        segments, few = [], {}
         for slot, members in by_slot.items():
-            if len(members) >= MIN_SEGMENT_ROWS:
+            if len(members) > MAX_PACKED_ROWS:
                 segments.append((slot, torch.tensor(members, dtype=torch.long)))
             else:
-                rows += members
-                slot_ids += [slot] * len(members)
-        gathered = torch.tensor(rows, dtype=torch.long) if rows else None
-        ids = torch.tensor(slot_ids, dtype=torch.long) if rows else None
-        return cls(slots, segments, gathered, ids)
+                few[slot] = members
+        if not few:
+            return cls(slots, segments, None, None)
+        lo, hi = min(few), max(few) + 1
+        width = max(len(m) for m in few.values())
+        rows = [r for members in few.values() for r in members]
+        packed = [(s - lo) * width + j for s, members in few.items() for j in range(len(members))]
+        return cls(
+            slots,
+            segments,
+            torch.tensor(rows, dtype=torch.long),
+            torch.tensor(packed, dtype=torch.long),
+            (lo, hi),
+            width,
+        )
 
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """y [T, sum of outs] += the group's LoRA updates of x [T, in], in place."""
         xs = [x.index_select(0, rows) for _, rows in self.segments]  # [m, in] each
-        xg = x.index_select(0, self.rows)[:, None, :] if self.rows is not None else None
+        lo, hi = self.slot_range
+        xp = None
+        if self.rows is not None:  # [hi - lo, width, in], zero where a slot has fewer rows
+            xp = x.new_zeros((hi - lo) * self.width, x.shape[1])
+            xp.index_copy_(0, self.packed, x.index_select(0, self.rows))
+            xp = xp.view(hi - lo, self.width, x.shape[1])
         offset = 0
         for proj in GROUPS[group]:
             size_out = self.slots.shapes[proj][1]
@@ -141,8 +160,8 @@ class LoRABatch:
                 out = y[:, offset : offset + size_out]
                 for (slot, rows), x_seg in zip(self.segments, xs, strict=True):
                     out.index_add_(0, rows, (x_seg @ a[slot]) @ b[slot])  # [m, out]
-                if xg is not None:
-                    shrunk = torch.bmm(xg, a.index_select(0, self.slot_ids))  # [n, 1, R]
-                    delta = torch.bmm(shrunk, b.index_select(0, self.slot_ids))  # [n, 1, out]
-                    out.index_add_(0, self.rows, delta[:, 0])
+                if xp is not None:
+                    shrunk = torch.bmm(xp, a[lo:hi])  # [hi - lo, width, R]
+                    delta = torch.bmm(shrunk, b[lo:hi]).view(-1, size_out)  # [.., out]
+                    out.index_add_(0, self.rows, delta.index_select(0, self.packed))
             offset += size_out

@@ -145,11 +145,11 @@ def test_slot_pressure_two_slots_four_adapters(tiny_llama, adapters, hf_referenc
     assert engine.runner.lora_slots.num_loads > 4  # adapters took turns in the slots
 
 
-@pytest.mark.parametrize("num_rows", [7, 40], ids=["gathered", "segments"])
+@pytest.mark.parametrize("num_rows", [11, 60], ids=["packed", "segments"])
 def test_lora_layer_equals_base_plus_scaled_xab(tiny_llama, adapters, num_rows):
     """The batched update over a random per-token adapter mapping equals
     base + scale * x A B row by row (scale as PEFT computes it): with few rows per adapter
-    (gathered per row) and with many (one segment per adapter)."""
+    (packed slot-major) and with many (one segment per adapter)."""
     _, cfg, _ = load_model(tiny_llama)
     loaded = [load_adapter(LoRARequest(n, str(p)), cfg, 16) for n, p in adapters.items()]
     slots = LoRASlots(cfg, max_loras=4, max_rank=16)
@@ -158,8 +158,10 @@ def test_lora_layer_equals_base_plus_scaled_xab(tiny_llama, adapters, num_rows):
     choice = torch.randint(0, 5, (num_rows,), generator=g).tolist()  # 0 = base
     token_slots = [slot_of[id(loaded[c - 1])] if c else 0 for c in choice]
     batch = LoRABatch.build(slots, token_slots)
-    assert bool(batch.segments) == (num_rows == 40)
-    assert (batch.rows is not None) == (num_rows == 7)
+    if num_rows == 11:
+        assert not batch.segments and batch.rows is not None
+    else:
+        assert len(batch.segments) >= 3
     x = torch.randn(num_rows, cfg.hidden_size, generator=g)
     q = cfg.num_heads * cfg.head_dim
     kv = cfg.num_kv_heads * cfg.head_dim
