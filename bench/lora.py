@@ -152,13 +152,15 @@ def hf_mixed(base_dir, paths, prompts, max_tokens, outputs) -> tuple[float, int]
     names = [f"a{i % 8}" for i in range(len(prompts))]
     t0 = time.perf_counter()
     with torch.no_grad():
+        # EOS ignored as in our runs: an unreachable eos id, not min_new_tokens (which would
+        # ban EOS from the argmax where our greedy may pick it).
         out = model.generate(
             input_ids=ids,
             attention_mask=mask,
             max_new_tokens=max_tokens,
-            min_new_tokens=max_tokens,
             do_sample=False,
             pad_token_id=pad,
+            eos_token_id=model.config.vocab_size,
             adapter_names=names,
         )
     seconds = time.perf_counter() - t0
