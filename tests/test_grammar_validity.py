@@ -203,8 +203,9 @@ def test_sampled_outputs_are_valid(smollm):
             if not all(matcher.accept_token(t) for t in c.token_ids):
                 problems.append(f"{name} seed {i % SEEDS}: not a prefix {c.text!r}")
     assert not problems, "\n".join(problems)
-    # Non-vacuous: most requests finish, and every kind finishes somewhere.
-    assert sum(finished.values()) >= 0.7 * len(outs), finished
+    # Non-vacuous: most requests finish (a margin for other CPUs sampling other tokens), and
+    # every kind finishes somewhere.
+    assert sum(finished.values()) >= 0.6 * len(outs), finished  # 70/85 finish on our box
     for kind in ("json:", "json_object", "regex:", "choice:", "ebnf:"):
         assert any(name.startswith(kind) for name in finished), (kind, finished)
     snap = smollm.engine.snapshot()
