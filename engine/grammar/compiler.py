@@ -192,6 +192,3 @@ class GrammarCompiler:
     @property
     def cache_len(self) -> int:
         return len(self._cache)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)

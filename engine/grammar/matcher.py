@@ -84,7 +84,7 @@ def apply_bitmask(
     """logits[i, t] = -inf where bitmask row i forbids t. On CPU, unpacking the bits with numpy
     and one masked_fill is ~5x faster than xgrammar's CPU kernel on mostly-forbidden rows
     (16 SmolLM2 rows: 0.9 vs 5.4 ms); other devices use xgrammar's kernels."""
-    if logits.device.type != "cpu" or np.little_endian is False:
+    if logits.device.type != "cpu" or not np.little_endian:
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=indices)
         return
     every_row = indices == list(range(logits.shape[0]))
