@@ -143,8 +143,11 @@ class LLMEngine:
         draft_adapter = None
         if draft_lora_request is not None:
             draft_adapter = self.load_lora(draft_lora_request, for_draft=True)
-        # Prefix-cache keys carry the adapter and its version: different adapters never share KV.
+        # Prefix-cache keys carry the adapters and their versions: blocks hold the target's KV
+        # and the draft model's, so neither is shared across adapters.
         salt = (cache_salt or "").encode() + (adapter.cache_key if adapter else b"")
+        if draft_adapter is not None:
+            salt += b"\x00draft" + draft_adapter.cache_key
         requests = [
             Request(
                 request_id,

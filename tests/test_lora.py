@@ -338,6 +338,25 @@ def test_speculation_with_adapters_equals_peft(tiny_llama, adapters, hf_referenc
         )
 
 
+def test_prefix_cache_keys_include_the_draft_adapter(tiny_llama, adapters):
+    """Blocks also hold the draft model's KV: a request whose draft adapter differs shares
+    no block, one with the same target and draft adapters does."""
+    llm = spec_llm(tiny_llama, "self")
+    prompt, params = list(range(64)), SamplingParams(temperature=0, max_tokens=2)
+    target = LoRARequest("qv4", str(adapters["qv4"]))
+    cached = []
+    for draft in ("qv4", "mlp8", "qv4"):
+        (out,) = llm.generate(
+            [prompt],
+            params,
+            use_tqdm=False,
+            lora_request=target,
+            draft_lora_request=LoRARequest(draft, str(adapters[draft])),
+        )
+        cached.append(out.num_cached_tokens)
+    assert cached == [0, 0, 48]
+
+
 def test_self_draft_without_its_adapter_misses(tiny_llama, adapters, hf_reference):
     """The broken variant of the check above: a draft model without the request's adapter
     proposes the base model's tokens, so some drafts are rejected (output stays right)."""
