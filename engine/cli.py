@@ -1,4 +1,5 @@
-"""`tandem` command line: generate (one-shot or interactive) and bench; serve/playground later."""
+"""`tandem` command line: generate, serve (OpenAI-compatible HTTP), playground (server + UI),
+bench."""
 
 from __future__ import annotations
 
@@ -32,6 +33,12 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _web(args: argparse.Namespace, which: str) -> int:
+    from playground.launch import playground_main, serve_main
+
+    return serve_main(args) if which == "serve" else playground_main(args)
+
+
 def _bench(args: argparse.Namespace) -> int:
     if args.name == "throughput":
         from bench.throughput import main as bench_main
@@ -55,6 +62,19 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--threads", type=int, default=None)
     gen.set_defaults(func=_generate)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    playground = sub.add_parser("playground", help="the HTTP server with the Gradio UI mounted")
+    for parser_, port in ((serve, 8000), (playground, 7860)):
+        from playground.launch import add_server_args
+
+        add_server_args(parser_, port)
+    playground.add_argument(
+        "--no-demo-adapters",
+        action="store_true",
+        help="without --lora, the playground writes two small random PEFT adapters to show",
+    )
+    serve.set_defaults(func=lambda a: _web(a, "serve"))
+    playground.set_defaults(func=lambda a: _web(a, "playground"))
     bench = sub.add_parser("bench", help="run a benchmark from bench/")
     bench.add_argument("name", choices=["throughput"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)

@@ -34,6 +34,17 @@ def grammar_state(grammar) -> dict:
     }
 
 
+def lora_state(engine) -> dict:
+    """Loaded adapters and which one sits in each slot (target model)."""
+    slots = engine.runner.lora_slots
+    return {
+        "enabled": slots is not None,
+        "loaded": list(engine.loras),
+        "slots": [a.name if a else None for a in slots.resident[1:]] if slots else [],
+        "slot_loads": slots.num_loads if slots else 0,
+    }
+
+
 def snapshot(engine) -> dict:
     kv, pool, sched = engine.kv, engine.kv.pool, engine.scheduler
     requests = []
@@ -49,6 +60,7 @@ def snapshot(engine) -> dict:
                 "block_table": list(table),
                 "spec": request.spec.as_dict() | {"k": request.num_spec_wanted},
                 "constraint": request.grammar.kind if request.grammar is not None else None,
+                "lora": request.lora.name if request.lora is not None else None,
             }
         )
     blocks = {
@@ -84,6 +96,7 @@ def snapshot(engine) -> dict:
         "num_steps": engine.num_steps,
         "num_generated_tokens": engine.num_generated_tokens,
         "grammar": grammar_state(engine.grammar),
+        "lora": lora_state(engine),
         "speculation": {
             "method": engine.config.spec_method,
             **engine.spec_stats.as_dict(),

@@ -14,6 +14,12 @@ class KVCacheManager:
         self.block_tables: dict[Request, list[int]] = {}
         self.num_query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_hit_tokens = 0
+        self.copy_sources: list[int] = []  # CoW sources of this step, held until copied
+
+    def release_copy_sources(self) -> None:
+        """The step's copy-on-write copies have run: drop the references their sources held."""
+        self.pool.free(self.copy_sources)
+        self.copy_sources = []
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -60,7 +66,9 @@ class KVCacheManager:
         if cow:
             new_block = self.pool.allocate(1)[0]
             copy = (table[-1], new_block)
-            self.pool.free([table[-1]])
+            # The source keeps this request's reference until the copy has run: a sharer
+            # preempted later in the same schedule must not free it for reuse before then.
+            self.copy_sources.append(table[-1])
             table[-1] = new_block
         if num_new_blocks > 0:
             table.extend(self.pool.allocate(num_new_blocks))

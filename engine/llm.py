@@ -24,6 +24,14 @@ def _per_prompt(name: str, value, n: int) -> list:
     return values
 
 
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The token ids of a conversation in the model's chat template, ready for the reply."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template; use generate()")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 def _prompt_input(prompt: Prompt) -> str | list[int]:
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
@@ -132,6 +140,7 @@ class LLM:
                                 c,
                                 text=c.text[chars:],
                                 token_ids=c.token_ids[toks:],
+                                token_kinds=c.token_kinds[toks:],
                                 logprobs=c.logprobs[toks:] if c.logprobs is not None else None,
                             )
                         )
@@ -153,12 +162,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template; use generate()")
-        text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
-        )
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return chat_prompt_ids(self.tokenizer, messages)
 
     def abort(self, request_id: str | list[str]) -> None:
         self.engine.abort_request(request_id)

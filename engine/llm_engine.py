@@ -18,7 +18,7 @@ from engine.model_runner import ModelRunner, StepResult, kv_bytes_per_block
 from engine.models.loader import load_model, read_generation_eos
 from engine.models.registry import resolve_model
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from engine.request import FINISH_REASONS, Request, RequestStatus
+from engine.request import FINISH_REASONS, Request, RequestStatus, step_token_kinds
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from lora.adapter import LoRAAdapter, LoRARequest, load_adapter
@@ -302,6 +302,7 @@ class LLMEngine:
             self._propose(sched, tables)
         t1 = time.perf_counter()
         result = self.runner.execute(sched, tables)
+        self.kv.release_copy_sources()
         t2 = time.perf_counter()
         self.spec_time["draft"] += t1 - t0
         self.spec_time["verify"] += t2 - t1
@@ -313,9 +314,12 @@ class LLMEngine:
             request.spec.target_seconds += (t2 - t1) * n / sched.total_tokens
             num_accepted = result.num_accepted.get(request, 0)
             request.num_computed_tokens += n - k + num_accepted
+            request.step_kinds = "p"
             if k:  # reclaim the slots of rejected drafts
                 self.kv.trim(request)
                 num_forced = min(len(request.forced_token_ids), k)
+                request.step_kinds = step_token_kinds(k, num_forced, num_accepted)
+                request.step_rejected = request.spec_token_ids[num_accepted:]
                 request.spec.record(k, num_accepted, num_forced)
                 self.spec_stats.record(k, num_accepted, num_forced)
                 if request.lora is not None:  # acceptance per adapter
@@ -419,7 +423,15 @@ class LLMEngine:
             group = self.groups[request.request_id]
             touched[group.request_id] = group
             logprobs = result.logprobs.get(request) or [None] * len(tokens)
-            for token, lp in zip(tokens, logprobs, strict=True):
+            kinds = (
+                request.step_kinds if len(request.step_kinds) == len(tokens) else "p" * len(tokens)
+            )
+            for token, lp, kind in zip(tokens, logprobs, kinds, strict=True):
+                if kind == "r":
+                    request.rejected_drafts.append(
+                        (request.num_output_tokens, request.step_rejected)
+                    )
+                request.token_kinds.append(kind)
                 if self._append(group, request, token, lp):
                     break  # finished: later tokens of a multi-token step are dropped
         for group in touched.values():
@@ -481,6 +493,8 @@ class LLMEngine:
                     else None,
                     finish_reason=FINISH_REASONS.get(request.status),
                     stop_reason=request.stop_reason,
+                    token_kinds="".join(request.token_kinds),
+                    rejected_drafts=request.rejected_drafts,
                 )
             )
         leader = group.requests[0]

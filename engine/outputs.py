@@ -27,6 +27,10 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop string or token id that ended it
+    # One letter per token of token_ids: where it came from (engine.request.TOKEN_KINDS).
+    token_kinds: str = ""
+    # Drafts the target rejected: (index in token_ids of the token that replaced them, ids).
+    rejected_drafts: list[tuple[int, list[int]]] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:

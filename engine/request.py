@@ -39,6 +39,19 @@ FINISH_REASONS = {
 }
 
 
+# One letter per output token: p plain (no drafts that step), f forced token accepted,
+# a proposer's draft accepted, b bonus (every draft held), r resampled (replaced a rejected draft).
+TOKEN_KINDS = {"p": "plain", "f": "forced", "a": "accepted", "b": "bonus", "r": "resampled"}
+
+
+def step_token_kinds(num_drafts: int, num_forced: int, num_accepted: int) -> str:
+    """Kinds of the tokens a verification emits: the accepted drafts, then one more token."""
+    if num_drafts == 0:
+        return "p"
+    drafts = "".join("f" if j < num_forced else "a" for j in range(num_accepted))
+    return drafts + ("b" if num_accepted == num_drafts else "r")
+
+
 class TokenHistory:
     """Output counts derived from `token_ids` (prompt + output) and `num_prompt_tokens`."""
 
@@ -103,6 +116,13 @@ class Request(TokenHistory):
         self.spec = SpecStats()
         self.acceptance = Acceptance()
         self.grammar: RequestGrammar | None = None  # set when params.structured_outputs is
+        # Where each output token came from (TOKEN_KINDS), and the drafts the target rejected:
+        # (output position of the token that replaced them, their ids). step_kinds and
+        # step_rejected: the current step's kinds of emitted tokens and rejected drafts.
+        self.token_kinds: list[str] = []
+        self.rejected_drafts: list[tuple[int, list[int]]] = []
+        self.step_kinds: str = ""
+        self.step_rejected: list[int] = []
         self.lora: LoRAAdapter | None = None  # the request's adapter (target model)
         self.draft_lora: LoRAAdapter | None = None  # the draft model's adapter, if any
 

@@ -82,4 +82,6 @@ class SpecStats:
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_length": self.mean_accepted_length,
             "acceptance_by_position": self.acceptance_by_position,
+            "drafted_at": list(self.drafted_at),
+            "accepted_at": list(self.accepted_at),
         }

@@ -205,7 +205,11 @@ def test_fork_shares_then_copies_on_write():
     child.append_token(100)
     ok, copy = kv.allocate(child, 1)
     assert ok and copy is not None and copy[0] == y
-    assert kv.table(child) == [x, copy[1]] and kv.pool.ref_counts[y] == 1
+    # The source stays held until the step's copies have run (a sharer preempted in the same
+    # schedule cannot hand it to someone else before it is read).
+    assert kv.table(child) == [x, copy[1]] and kv.pool.ref_counts[y] == 2
+    kv.release_copy_sources()
+    assert kv.pool.ref_counts[y] == 1
     parent.append_token(200)
     assert kv.allocate(parent, 1) == (True, None)  # sole owner now: written in place
     kv.free(parent)
@@ -339,6 +343,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         for src, dst in out.block_copies:
             assert self.pool.ref_counts[src] >= 1 and self.pool.ref_counts[dst] == 1
             self.kv_slots[dst] = list(self.kv_slots[src])
+        self.kv.release_copy_sources()
         for r, n in zip(out.requests, out.num_new_tokens, strict=True):
             assert n >= 1 and r.status == RequestStatus.RUNNING
             if r in admitted:  # starts at its prefix hit, which leaves >= 1 token to compute

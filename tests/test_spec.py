@@ -135,6 +135,34 @@ def test_self_draft_emits_k_plus_one_tokens_per_step(tiny_llama):
     assert llm.engine.num_steps == 6
 
 
+def test_self_draft_token_kinds(tiny_llama):
+    """The self-draft of the test above: 1 plain token, then 4 x (4 accepted + bonus), then
+    3 accepted + bonus; nothing rejected."""
+    llm = LLM(str(tiny_llama), num_kv_blocks=64, **spec_args("self", tiny_llama, None))
+    p = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True, num_speculative_tokens=4)
+    c = llm.generate([[1, 2, 3]], p, use_tqdm=False)[0].outputs[0]
+    assert c.token_kinds == "p" + "aaaab" * 4 + "aaab"
+    assert c.rejected_drafts == []
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_token_kinds_match_the_counters(tiny_llama, draft_model, method):
+    """One kind per token; accepted drafts as counted; every rejection is followed by the
+    resampled token that replaced it, and the rejected ids are not what was emitted there."""
+    _, engine, outs = run(tiny_llama, draft_model, method, num_kv_blocks=512)
+    rejections = 0
+    for out in outs:
+        c = out.outputs[0]
+        assert len(c.token_kinds) == len(c.token_ids) and set(c.token_kinds) <= set("pabr")
+        assert c.token_kinds.count("a") <= out.metrics.spec.num_accepted
+        positions = [i for i, kind in enumerate(c.token_kinds) if kind == "r"]
+        assert [pos for pos, _ in c.rejected_drafts] == positions
+        for pos, ids in c.rejected_drafts:
+            assert ids and ids[0] != c.token_ids[pos]
+        rejections += len(positions)
+    assert rejections > 0 and any("a" in o.outputs[0].token_kinds for o in outs)
+
+
 def test_per_request_k_and_off_switch(tiny_llama):
     llm = LLM(str(tiny_llama), num_kv_blocks=64, **spec_args("self", tiny_llama, None))
     off = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, num_speculative_tokens=0)

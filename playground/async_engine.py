@@ -1,0 +1,245 @@
+"""One engine loop in a background thread, shared by every HTTP client and the playground.
+
+The engine is single-threaded: only the loop thread touches it, and `lock` is held for each
+step and each batch of submissions, so `snapshot()` from another thread sees a consistent state.
+Callers on an asyncio loop submit with `generate()` (an async iterator of cumulative
+RequestOutputs) and abort by closing it: a client that disconnects frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from lora.adapter import LoRARequest
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (shut down, or a step raised): nothing more will be produced."""
+
+
+@dataclass
+class _Stream:
+    """The latest cumulative output of one request, handed from the loop thread to a coroutine.
+    Outputs are cumulative, so a slow reader skips intermediate ones and loses nothing."""
+
+    loop: asyncio.AbstractEventLoop
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    latest: RequestOutput | None = None
+    error: BaseException | None = None
+
+    def put(self, out: RequestOutput | None, error: BaseException | None = None) -> None:
+        def deliver() -> None:
+            if out is not None:
+                self.latest = out
+            if error is not None:
+                self.error = error
+            self.ready.set()
+
+        self.loop.call_soon_threadsafe(deliver)
+
+
+class OutputObserver:
+    """Told about every output the loop hands out (metrics); called on the loop thread."""
+
+    def on_output(self, out: RequestOutput, now: float) -> None: ...
+
+    def forget(self, request_id: str) -> None:
+        """The request was aborted: no final output will come."""
+
+
+class RequestStream:
+    """The outputs of one submitted request: iterate once; close() aborts it if unfinished."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, stream: _Stream):
+        self.engine, self.request_id, self._stream = engine, request_id, stream
+        self.finished = self.closed = False
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        stream = self._stream
+        try:
+            while not self.finished:
+                await stream.ready.wait()
+                stream.ready.clear()
+                if stream.latest is not None:
+                    out, stream.latest = stream.latest, None
+                    self.finished = out.finished
+                    yield out
+                if stream.error is not None and not self.finished:
+                    raise stream.error
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if not self.finished and not self.closed:
+            self.closed = True
+            self.engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, observers: list[OutputObserver] | None = None):
+        self.engine = engine
+        self.lock = threading.Lock()
+        self.observers = list(observers or [])
+        self._commands: deque[Callable[[], None]] = deque()
+        self._wake = threading.Condition()
+        self._streams: dict[str, _Stream] = {}
+        self._stopped = False
+        self.error: BaseException | None = None  # why the loop died, if it did
+        self._tokens: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps
+        self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
+        self._thread.start()
+
+    # ---- the loop thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            with self._wake:
+                while not self._stopped and not self._commands and not self._streams:
+                    self._wake.wait()
+                if self._stopped:
+                    break
+                commands = list(self._commands)
+                self._commands.clear()
+            try:
+                with self.lock:
+                    for command in commands:
+                        command()
+                    outputs = engine.step() if engine.has_unfinished_requests() else []
+            except BaseException as exc:  # a bug in a step: fail every request, keep nothing
+                self._fail_all(exc)
+                return
+            now = time.monotonic()
+            num_tokens = 0
+            for out in outputs:
+                for observer in self.observers:
+                    observer.on_output(out, now)
+                num_tokens += sum(len(c.token_ids) for c in out.outputs)
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.put(out)
+                    if out.finished:
+                        del self._streams[out.request_id]
+            if outputs:
+                self._count_tokens(now, engine.num_generated_tokens)
+            if not outputs and not commands and not engine.has_unfinished_requests():
+                # Streams whose requests are gone (aborted): nothing will wake them otherwise.
+                for rid in [r for r in self._streams if r not in engine.groups]:
+                    self._streams.pop(rid).put(None, EngineDeadError(f"request {rid} ended"))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        self.error = exc
+        with self._wake:
+            self._stopped = True
+        try:
+            with self.lock:
+                self.engine.abort_request(list(self.engine.groups))
+        finally:
+            for stream in self._streams.values():
+                stream.put(None, EngineDeadError(f"engine step failed: {exc!r}"))
+            self._streams.clear()
+
+    def _count_tokens(self, now: float, total: int) -> None:
+        self._tokens.append((now, total))
+        while len(self._tokens) > 2 and now - self._tokens[0][0] > 10.0:
+            self._tokens.popleft()
+
+    def tokens_per_second(self) -> float:
+        """Generated tokens per second over the last ~10 s of steps (0 when idle)."""
+        if len(self._tokens) < 2 or time.monotonic() - self._tokens[-1][0] > 2.0:
+            return 0.0
+        (t0, n0), (t1, n1) = self._tokens[0], self._tokens[-1]
+        return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
+
+    # ---- callers -----------------------------------------------------------------------------
+    def _submit(self, command: Callable[[], None]) -> None:
+        with self._wake:
+            if self._stopped:
+                raise EngineDeadError(f"the engine is not running: {self.error!r}")
+            self._commands.append(command)
+            self._wake.notify()
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
+        """Submit one request; raises ValueError if the engine refuses it. Returns its stream of
+        cumulative outputs; close() it (or cancel its reader) to abort the request."""
+        loop = asyncio.get_running_loop()
+        # Compile the constraint here, off the loop thread and off the event loop: the engine's
+        # add_request then finds it in the cache.
+        await asyncio.to_thread(self.engine.compile_constraint, params.structured_outputs)
+        stream = _Stream(loop)
+        added: asyncio.Future = loop.create_future()
+
+        def settle(error: BaseException | None) -> None:
+            if not added.done():
+                added.set_exception(error) if error else added.set_result(None)
+
+        def add() -> None:
+            try:
+                self.engine.add_request(
+                    request_id, prompt, params, cache_salt=cache_salt, lora_request=lora_request
+                )
+            except Exception as exc:
+                loop.call_soon_threadsafe(settle, exc)
+                return
+            self._streams[request_id] = stream
+            loop.call_soon_threadsafe(settle, None)
+
+        self._submit(add)
+        try:
+            await added
+        except asyncio.CancelledError:  # the caller gave up while the add was queued
+            self.abort(request_id)
+            raise
+        return RequestStream(self, request_id, stream)
+
+    async def generate(self, request_id: str, prompt, params, **kwargs):
+        """add_request, then its outputs: one async iterator for both."""
+        stream = await self.add_request(request_id, prompt, params, **kwargs)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        def abort() -> None:
+            self._streams.pop(request_id, None)
+            self.engine.abort_request(request_id)
+            for observer in self.observers:
+                observer.forget(request_id)
+
+        if not self._stopped:
+            self._submit(abort)
+
+    def snapshot(self) -> dict:
+        """The engine's snapshot, taken between steps (blocks the caller for at most a step)."""
+        with self.lock:
+            snap = self.engine.snapshot()
+        snap["tokens_per_second"] = self.tokens_per_second()
+        return snap
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stopped
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+        self._thread.join(timeout)
+        with self.lock:
+            self.engine.abort_request(list(self.engine.groups))

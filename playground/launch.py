@@ -1,0 +1,156 @@
+"""`tandem serve` and `tandem playground`: build the engine, the app, and run uvicorn.
+
+The web modules (fastapi, gradio) are imported only when a server starts, so the command line's
+other subcommands (and engine/) never load them."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from lora.adapter import LoRARequest
+
+if TYPE_CHECKING:
+    from playground.server import ServerState
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+def add_server_args(parser: argparse.ArgumentParser, port: int) -> None:
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--served-model-name", default=None, help="default: --model")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=port, help="0 picks a free port")
+    parser.add_argument(
+        "--api-key", default=os.environ.get("TANDEM_API_KEY"), help="or $TANDEM_API_KEY"
+    )
+    parser.add_argument("--draft-model", default=None)
+    parser.add_argument("--speculative-method", choices=["ngram", "draft"], default=None)
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--no-adaptive-speculation", action="store_true")
+    parser.add_argument(
+        "--lora", action="append", default=[], metavar="NAME=PATH", help="a PEFT adapter dir"
+    )
+    parser.add_argument("--max-loras", type=int, default=4)
+    parser.add_argument("--max-lora-rank", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+
+
+def parse_loras(specs: list[str]) -> dict[str, LoRARequest]:
+    adapters = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"--lora takes NAME=PATH, got {spec!r}")
+        adapters[name] = LoRARequest(name, path)
+    return adapters
+
+
+def build_state(args: argparse.Namespace, adapters: dict[str, LoRARequest]) -> ServerState:
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from playground.async_engine import AsyncEngine
+    from playground.server import ServerState
+
+    config = EngineConfig(
+        model=args.model,
+        draft_model=args.draft_model,
+        speculative_method=args.speculative_method,
+        num_speculative_tokens=args.num_speculative_tokens,
+        adaptive_speculation=not args.no_adaptive_speculation,
+        enable_lora=bool(adapters),
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        num_threads=args.threads,
+    )
+    engine = LLMEngine(config)
+    for adapter in adapters.values():  # load now: a bad adapter fails at start, not per request
+        engine.load_lora(adapter)
+    return ServerState(
+        AsyncEngine(engine),
+        args.served_model_name or args.model,
+        adapters,
+        api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serving_in_thread(app, host: str = "127.0.0.1") -> Iterator[str]:
+    """Run an ASGI app with uvicorn in a background thread on a free port; yields its URL
+    (tests and benchmarks)."""
+    import uvicorn
+
+    port = free_port(host)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def run(state: ServerState, host: str, port: int, with_ui: bool) -> int:
+    import uvicorn
+
+    from playground.server import build_app
+
+    app = build_app(state)
+    if with_ui:
+        from playground.ui import mount_playground
+
+        app = mount_playground(app, state)
+    port = port or free_port(host)
+    where = f"http://{host}:{port}"
+    print(f"tandem: serving {state.model_name} at {where}/v1", file=sys.stderr, flush=True)
+    if with_ui:
+        print(f"tandem: playground at {where}/", flush=True)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning")
+    finally:
+        state.engine.shutdown()
+    return 0
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    return run(build_state(args, parse_loras(args.lora)), args.host, args.port, with_ui=False)
+
+
+def playground_main(args: argparse.Namespace) -> int:
+    adapters = parse_loras(args.lora)
+    if not adapters and not args.no_demo_adapters:
+        from playground.demo_adapters import write_demo_adapters
+
+        adapters = write_demo_adapters(args.model)
+    if args.speculative_method is None and args.draft_model is None:
+        args.speculative_method = "ngram"  # something to watch in the speculation view
+    return run(build_state(args, adapters), args.host, args.port, with_ui=True)

@@ -1,0 +1,405 @@
+"""The OpenAI-compatible HTTP server: FastAPI over one AsyncEngine.
+
+/v1/completions, /v1/chat/completions (both with SSE streaming), /v1/models, /health, /metrics.
+Every request from every client goes into the same engine loop and is batched with the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import suppress
+from dataclasses import dataclass, field, replace
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from engine.llm import chat_prompt_ids
+from engine.outputs import RequestOutput
+from lora.adapter import LoRARequest
+from playground import protocol
+from playground.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from playground.launch import DEFAULT_MAX_BODY_BYTES
+from playground.metrics import ServerMetrics
+from playground.protocol import APIError, ResponseContext
+
+_DISCONNECT_POLL_S = 0.2
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    model_name: str  # the base model's name in /v1/models and in `model`
+    adapters: dict[str, LoRARequest] = field(default_factory=dict)
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    metrics: ServerMetrics | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def tokenizer(self):
+        return self.engine.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.max_model_len
+
+    def lora_for(self, model: str | None) -> LoRARequest | None:
+        """`model` names the base model (or is absent) or a loaded adapter."""
+        if model is None or model == self.model_name:
+            return None
+        if model in self.adapters:
+            return self.adapters[model]
+        raise APIError(
+            f"The model `{model}` does not exist; see /v1/models",
+            "model",
+            status=404,
+            code="model_not_found",
+        )
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="Tandem", docs_url=None, redoc_url=None)
+    app.state.tandem = state
+    if state.metrics is None:
+        state.metrics = ServerMetrics()
+        state.engine.observers.append(state.metrics)
+        state.metrics.watch(state.engine)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    if state.api_key is not None:
+        app.add_middleware(APIKeyCheck, key=state.api_key)
+    app.add_middleware(BodySizeLimit, max_bytes=state.max_body_bytes)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not state.engine.is_running:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body = await asyncio.to_thread(state.metrics.exposition)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        def card(name: str, parent: str | None) -> dict:
+            return {
+                "id": name,
+                "object": "model",
+                "created": state.created,
+                "owned_by": "tandem",
+                "root": name if parent is None else str(state.adapters[name].path),
+                "parent": parent,
+                "max_model_len": state.max_model_len,
+            }
+
+        cards = [card(state.model_name, None)]
+        cards += [card(name, state.model_name) for name in state.adapters]
+        return {"object": "list", "data": cards}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = protocol.check_fields(await _json(request), protocol.COMPLETION_FIELDS)
+        protocol.refuse_unsupported(body, chat=False)
+        if body.get("prompt") is None:
+            raise APIError("prompt is required", "prompt")
+        lora = state.lora_for(body.get("model"))
+        prompts = protocol.completion_prompts(body["prompt"])
+        ids = await asyncio.to_thread(_encode_all, state, prompts)
+        logprobs = body.get("logprobs")
+        params = protocol.sampling_params(
+            body, 16, logprobs=logprobs, prompt_logprobs=body.get("prompt_logprobs")
+        )
+        ctx = ResponseContext("completion", body.get("model") or state.model_name)
+        return await _serve(state, request, ctx, body, ids, params, lora, logprobs, "prompt")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = protocol.check_fields(await _json(request), protocol.CHAT_FIELDS)
+        protocol.refuse_unsupported(body, chat=True)
+        lora = state.lora_for(body.get("model"))
+        messages = protocol.check_messages(body.get("messages") or [])
+        if not getattr(state.tokenizer, "chat_template", None):
+            raise APIError("this model has no chat template; use /v1/completions", "messages")
+        ids = await asyncio.to_thread(chat_prompt_ids, state.tokenizer, messages)
+        top = body.get("top_logprobs")
+        if top is not None and not body.get("logprobs"):
+            raise APIError("top_logprobs needs logprobs=true", "top_logprobs")
+        logprobs = (top or 0) if body.get("logprobs") else None
+        max_tokens = body.get("max_completion_tokens")
+        if max_tokens is None:
+            max_tokens = body.get("max_tokens")
+        params = protocol.sampling_params(body, None, logprobs=logprobs, max_tokens=max_tokens)
+        ctx = ResponseContext("chat", body.get("model") or state.model_name)
+        return await _serve(state, request, ctx, body, [ids], params, lora, logprobs, "messages")
+
+    return app
+
+
+async def _json(request: Request):
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(f"the request body is not valid JSON: {exc}") from None
+
+
+def _encode_all(state: ServerState, prompts: list[str | list[int]]) -> list[list[int]]:
+    return [state.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+
+
+def _check_lengths(state: ServerState, ids: list[list[int]], params, what: str) -> None:
+    limit = state.max_model_len
+    for prompt in ids:
+        if not prompt:
+            raise APIError(f"{what} must contain at least one token", what)
+        if len(prompt) >= limit:
+            raise APIError(
+                f"{what} has {len(prompt)} tokens, this model's context limit is {limit} "
+                "(and at least one token must be generated)",
+                what,
+            )
+        if params.max_tokens is not None and len(prompt) + params.max_tokens > limit:
+            raise APIError(
+                f"max_tokens={params.max_tokens} plus the {len(prompt)} tokens in the {what} "
+                f"exceed this model's context limit of {limit}",
+                "max_tokens",
+            )
+
+
+async def _serve(
+    state: ServerState,
+    request: Request,
+    ctx: ResponseContext,
+    body: dict,
+    ids: list[list[int]],
+    params,
+    lora: LoRARequest | None,
+    logprobs: int | None,
+    what: str,
+) -> Response:
+    _check_lengths(state, ids, params, what)
+    streams = await _add_all(state, ctx, ids, params, lora, body, what)
+    if body.get("stream"):
+        events = _sse(ctx, streams, params.n, logprobs, protocol.include_usage(body))
+        return StreamingResponse(events, media_type="text/event-stream")
+    finals = await _collect_unless_disconnected(request, streams)
+    if finals is None:
+        return Response(status_code=499)  # nobody is listening
+    return JSONResponse(protocol.final_response(ctx, finals, params.n, logprobs))
+
+
+async def _add_all(state, ctx, ids, params, lora, body, what) -> list[RequestStream]:
+    """Submit every prompt, or none: a refused one aborts those already added."""
+    streams: list[RequestStream] = []
+    try:
+        for i, prompt in enumerate(ids):
+            streams.append(
+                await state.engine.add_request(
+                    f"{ctx.id}-{i}",
+                    prompt,
+                    params,
+                    lora_request=lora,
+                    cache_salt=body.get("cache_salt"),
+                )
+            )
+    except BaseException as exc:
+        for s in streams:
+            s.close()
+        if isinstance(exc, EngineDeadError):
+            raise APIError(str(exc), status=503, type="server_error") from None
+        if isinstance(exc, ValueError):
+            raise protocol.constraint_error(protocol.from_value_error(exc, what), body) from None
+        raise
+    return streams
+
+
+async def _last(stream: RequestStream) -> RequestOutput:
+    out = None
+    async for out in stream:  # noqa: B007 - the last one is the finished output
+        pass
+    return out
+
+
+async def _collect_unless_disconnected(
+    request: Request, streams: list[RequestStream]
+) -> list[RequestOutput] | None:
+    """Wait for every request to finish; None (all aborted) if the client goes away first."""
+    tasks = [asyncio.ensure_future(_last(s)) for s in streams]
+    try:
+        while True:
+            done, pending = await asyncio.wait(tasks, timeout=_DISCONNECT_POLL_S)
+            if not pending:
+                return [t.result() for t in tasks]
+            if any(t.exception() for t in done):
+                raise next(t.exception() for t in done if t.exception())
+            if await request.is_disconnected():
+                return None
+    except EngineDeadError as exc:
+        raise APIError(str(exc), status=503, type="server_error") from None
+    finally:
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with suppress(BaseException):
+                await t
+        for s in streams:  # unfinished ones (never iterated, too) are aborted here
+            s.close()
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from every stream as they come."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                await queue.put((i, out, None))
+        except Exception as exc:
+            await queue.put((i, None, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(streams)
+    try:
+        while remaining:
+            i, out, error = await queue.get()
+            if error is not None:
+                raise error
+            if out.finished:
+                remaining -= 1
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with suppress(BaseException):
+                await t
+        for s in streams:
+            s.close()
+
+
+async def _sse(
+    ctx: ResponseContext, streams: list[RequestStream], n: int, logprobs, with_usage: bool
+) -> AsyncIterator[str]:
+    """Server-sent events: a chunk per engine output with what is new, a usage chunk, [DONE].
+    A disconnect cancels this generator, and closing the merged streams aborts the requests."""
+
+    def event(payload: dict) -> str:
+        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    if ctx.kind == "chat":  # the role comes first, on its own
+        first = [
+            {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for i in range(len(streams) * n)
+        ]
+        yield event(ctx.envelope(first, chunk=True))
+    sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars, tokens) sent
+    prompt_tokens: dict[int, int] = {}
+    completion_tokens: dict[int, int] = {}
+    try:
+        async for i, out in _merge(streams):
+            prompt_tokens[i] = len(out.prompt_token_ids)
+            choices = []
+            for c in out.outputs:
+                index = i * n + c.index
+                chars, toks = sent.get(index, (0, 0))
+                if len(c.text) == chars and len(c.token_ids) == toks and c.finish_reason is None:
+                    continue
+                sent[index] = (len(c.text), len(c.token_ids))
+                completion_tokens[index] = len(c.token_ids)
+                delta = _delta(c, chars, toks)
+                choices.append(protocol.choice(ctx, index, delta, logprobs, delta=True))
+            if choices:
+                yield event(ctx.envelope(choices, chunk=True))
+    except (APIError, EngineDeadError, ValueError) as exc:
+        yield event(APIError(str(exc), status=500, type="server_error").body())
+        yield "data: [DONE]\n\n"
+        return
+    if with_usage:
+        tail = ctx.envelope([], chunk=True)
+        tail["usage"] = protocol.usage(sum(prompt_tokens.values()), sum(completion_tokens.values()))
+        yield event(tail)
+    yield "data: [DONE]\n\n"
+
+
+def _delta(c, chars: int, toks: int):
+    return replace(
+        c,
+        text=c.text[chars:],
+        token_ids=c.token_ids[toks:],
+        logprobs=c.logprobs[toks:] if c.logprobs is not None else None,
+        token_kinds=c.token_kinds[toks:],
+    )
+
+
+class BodySizeLimit:
+    """ASGI middleware: 413 for a body over max_bytes, declared or streamed. The body is read
+    here (at most max_bytes are held) and replayed to the app."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._refuse(send)
+        messages, seen = [], 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                return await self._refuse(send)
+            if not message.get("more_body", False):
+                break
+
+        async def replay():
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send) -> None:
+        err = APIError(f"request body exceeds {self.max_bytes} bytes", status=413)
+        payload = json.dumps(err.body()).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
+        await send({"type": "http.response.body", "body": payload})
+
+
+class APIKeyCheck:
+    """ASGI middleware: /v1 requests need `Authorization: Bearer <key>` (compared in constant
+    time). Pure ASGI, not BaseHTTPMiddleware, so the app still sees client disconnects."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            token = given[7:] if given[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(token, self.key):
+                err = APIError("invalid or missing API key", status=401, code="invalid_api_key")
+                return await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+        return await self.app(scope, receive, send)

@@ -1,0 +1,297 @@
+"""The Gradio playground, mounted on the HTTP server's app: a chat/completion panel with
+sampling, speculation, adapter and constraint controls, live views of the engine (refreshed
+twice a second, so requests from HTTP clients show up too) and a load-test button."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+import gradio as gr
+from fastapi import FastAPI
+
+from engine.llm import chat_prompt_ids
+from engine.sampling_params import SamplingParams
+from playground import views
+from playground.server import ServerState
+
+BASE = "(base model)"
+CONSTRAINTS = ["none", "json schema", "regex", "grammar (EBNF)", "choice"]
+SYSTEM_PROMPT = (
+    "You are Tandem's demo assistant. You answer in one or two short sentences, plainly, "
+    "without lists, and you never repeat the question back."
+)
+LOAD_QUESTIONS = [
+    "What is a KV cache?",
+    "Name a prime number.",
+    "Why is the sky blue?",
+    "What does a compiler do?",
+    "Give me a colour.",
+    "What is speculative decoding?",
+    "Describe a cat in one sentence.",
+    "What is 12 times 12?",
+]
+_PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
+
+
+def constraint_from(kind: str, text: str) -> dict | None:
+    text = (text or "").strip()
+    if kind == "none":
+        return None
+    if not text:
+        raise ValueError(f"constraint: {kind} needs a value in the box")
+    if kind == "json schema":
+        try:
+            return {"json": json.loads(text)}
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"constraint: the JSON schema is not valid JSON: {exc}") from None
+    if kind == "regex":
+        return {"regex": text}
+    if kind == "grammar (EBNF)":
+        return {"grammar": text}
+    if kind == "choice":
+        return {"choice": [line.strip() for line in text.splitlines() if line.strip()]}
+    raise ValueError(f"constraint: unknown kind {kind!r}")
+
+
+def spec_k(method: str, k: int, adaptive: bool) -> int | None:
+    """Speculation controls -> SamplingParams.num_speculative_tokens (None: the engine plans)."""
+    if method == "off":
+        return 0
+    return None if adaptive else int(k)
+
+
+class Playground:
+    def __init__(self, state: ServerState):
+        self.state = state
+        self.history = views.History()
+        self.method = state.engine.engine.config.spec_method
+
+    # ---- handlers -----------------------------------------------------------------------------
+    async def generate(
+        self,
+        mode,
+        prompt,
+        temperature,
+        top_p,
+        top_k,
+        max_tokens,
+        seed,
+        method,
+        k,
+        adaptive,
+        adapter,
+        constraint_kind,
+        constraint_text,
+    ):
+        """Stream one request: yields (token-shaded HTML, stats line)."""
+        state = self.state
+        try:
+            params = SamplingParams(
+                temperature=float(temperature),
+                top_p=float(top_p),
+                top_k=int(top_k),
+                max_tokens=int(max_tokens),
+                seed=None if seed is None or int(seed) < 0 else int(seed),
+                num_speculative_tokens=spec_k(method, k, adaptive),
+                structured_outputs=constraint_from(constraint_kind, constraint_text),
+            )
+            if not (prompt or "").strip():
+                raise ValueError("prompt is empty")
+            if mode == "chat":
+                ids = chat_prompt_ids(state.tokenizer, [{"role": "user", "content": prompt}])
+            else:
+                ids = state.tokenizer.encode(prompt)
+            lora = state.adapters.get(adapter) if adapter and adapter != BASE else None
+            stream = await state.engine.add_request(
+                f"ui-{uuid.uuid4().hex[:8]}", ids, params, lora_request=lora
+            )
+        except ValueError as exc:
+            raise gr.Error(str(exc)) from None
+        pieces = views.TokenPieces(state.tokenizer)
+        start = time.monotonic()
+        try:
+            async for out in stream:
+                c = out.outputs[0]
+                texts = pieces.update(c.token_ids)
+                rejected = [(pos, state.tokenizer.decode(ids_)) for pos, ids_ in c.rejected_drafts]
+                html = views.render_tokens(texts, c.token_kinds, rejected)
+                yield html, self._stats(out, time.monotonic() - start)
+        finally:
+            stream.close()
+
+    def _stats(self, out, seconds: float) -> str:
+        c = out.outputs[0]
+        kinds = c.token_kinds
+        n = len(c.token_ids)
+        line = (
+            f"{n} tokens in {seconds:.1f} s ({n / seconds if seconds else 0:.1f} tokens/s) · "
+            f"prompt {len(out.prompt_token_ids)} tokens, {out.num_cached_tokens} from cache · "
+            f"accepted drafts {kinds.count('a')}, forced {kinds.count('f')}, "
+            f"bonus {kinds.count('b')}, resampled {kinds.count('r')}"
+        )
+        if c.finish_reason:
+            line += f" · finished: {c.finish_reason}"
+        return line
+
+    async def refresh(self):
+        snap = await asyncio.to_thread(self.state.engine.snapshot)
+        self.history.observe(snap)
+        return (
+            views.render_blocks(snap),
+            views.render_sharing(snap, self.history),
+            views.render_speculation(snap, self.history),
+            views.render_adapters(snap),
+        )
+
+    async def load_test(self, num_requests):
+        """N concurrent requests: half share a system prompt, every third uses an adapter (if
+        any), every fourth is constrained. Returns a summary line."""
+        state = self.state
+        adapters = list(state.adapters.values())
+        jobs = []
+        for i in range(int(num_requests)):
+            question = LOAD_QUESTIONS[i % len(LOAD_QUESTIONS)]
+            messages = [{"role": "user", "content": question}]
+            if i % 2 == 0:
+                messages.insert(0, {"role": "system", "content": SYSTEM_PROMPT})
+            constraint = None
+            if i % 4 == 1:
+                constraint = {"json": _PERSON_SCHEMA}
+            elif i % 4 == 3:
+                constraint = {"choice": ["yes", "no", "maybe"]}
+            params = SamplingParams(
+                temperature=0.7, seed=i, max_tokens=48, structured_outputs=constraint
+            )
+            lora = adapters[(i // 3) % len(adapters)] if adapters and i % 3 == 2 else None
+            ids = chat_prompt_ids(state.tokenizer, messages)
+            jobs.append(self._run_one(f"load-{i}-{uuid.uuid4().hex[:6]}", ids, params, lora))
+        start = time.monotonic()
+        results = await asyncio.gather(*jobs, return_exceptions=True)
+        seconds = time.monotonic() - start
+        done = [r for r in results if not isinstance(r, BaseException)]
+        errors = [r for r in results if isinstance(r, BaseException)]
+        tokens = sum(len(o.outputs[0].token_ids) for o in done)
+        cached = sum(o.num_cached_tokens for o in done)
+        summary = (
+            f"load test: {len(done)}/{len(results)} requests finished in {seconds:.1f} s, "
+            f"{tokens} tokens ({tokens / seconds:.1f} tokens/s), {cached} prompt tokens "
+            "from the prefix cache"
+        )
+        if errors:
+            summary += f"; {len(errors)} failed: {errors[0]!r}"
+        return summary
+
+    async def _run_one(self, request_id, ids, params, lora):
+        stream = await self.state.engine.add_request(request_id, ids, params, lora_request=lora)
+        final = None
+        try:
+            async for out in stream:
+                final = out
+        finally:
+            stream.close()
+        return final
+
+    # ---- layout -------------------------------------------------------------------------------
+    def build(self) -> gr.Blocks:
+        state = self.state
+        methods = ["off"] + ([self.method] if self.method else [])
+        with gr.Blocks(title="Tandem playground") as demo:
+            gr.Markdown(
+                f"## Tandem playground · `{state.model_name}` · speculation: "
+                f"`{self.method or 'off'}` · OpenAI API at `/v1`"
+            )
+            with gr.Row():
+                with gr.Column(scale=3):
+                    mode = gr.Radio(["chat", "completion"], value="chat", label="mode")
+                    prompt = gr.Textbox(
+                        label="prompt",
+                        lines=3,
+                        elem_id="prompt",
+                        value="Write a short poem about paged attention.",
+                    )
+                    with gr.Row():
+                        go = gr.Button("Generate", variant="primary", elem_id="generate")
+                        stop = gr.Button("Stop", elem_id="stop")
+                    gr.HTML(views.legend())
+                    output = gr.HTML(elem_id="output")
+                    stats = gr.Markdown(elem_id="stats")
+                with gr.Column(scale=2):
+                    with gr.Accordion("Sampling", open=True):
+                        temperature = gr.Slider(0, 2, value=0.0, step=0.05, label="temperature")
+                        top_p = gr.Slider(0.05, 1, value=1.0, step=0.05, label="top_p")
+                        top_k = gr.Slider(0, 200, value=0, step=1, label="top_k (0: off)")
+                        max_tokens = gr.Slider(1, 1024, value=128, step=1, label="max_tokens")
+                        seed = gr.Number(value=-1, precision=0, label="seed (-1: none)")
+                    with gr.Accordion("Speculation", open=True):
+                        method = gr.Dropdown(methods, value=methods[-1], label="method")
+                        k = gr.Slider(0, 15, value=4, step=1, label="k: drafts per step")
+                        adaptive = gr.Checkbox(value=True, label="adaptive k (k is the cap)")
+                    adapter = gr.Dropdown([BASE, *state.adapters], value=BASE, label="LoRA adapter")
+                    with gr.Accordion("Constraint", open=False):
+                        constraint_kind = gr.Dropdown(CONSTRAINTS, value="none", label="kind")
+                        constraint_text = gr.Textbox(
+                            lines=4,
+                            label="JSON schema / regex / EBNF grammar / choices (one per line)",
+                        )
+                    with gr.Accordion("Load test", open=True):
+                        num_requests = gr.Slider(2, 32, value=12, step=1, label="requests")
+                        load = gr.Button("Run load test", elem_id="load-test")
+                        load_status = gr.Markdown(elem_id="load-status")
+            with gr.Tabs():
+                with gr.Tab("Blocks"):
+                    blocks_view = gr.HTML(elem_id="blocks-view")
+                with gr.Tab("Prefix sharing"):
+                    sharing_view = gr.HTML(elem_id="sharing-view")
+                with gr.Tab("Speculation"):
+                    spec_view = gr.HTML(elem_id="spec-view")
+                with gr.Tab("Adapters"):
+                    adapters_view = gr.HTML(elem_id="adapters-view")
+            inputs = [
+                mode,
+                prompt,
+                temperature,
+                top_p,
+                top_k,
+                max_tokens,
+                seed,
+                method,
+                k,
+                adaptive,
+                adapter,
+                constraint_kind,
+                constraint_text,
+            ]
+            run = go.click(
+                self.generate,
+                inputs,
+                [output, stats],
+                api_name="generate",
+                concurrency_limit=None,
+            )
+            submit = prompt.submit(
+                self.generate, inputs, [output, stats], api_name=False, concurrency_limit=None
+            )
+            stop.click(None, cancels=[run, submit])
+            load.click(
+                self.load_test,
+                [num_requests],
+                [load_status],
+                api_name="load_test",
+                concurrency_limit=None,
+            )
+            live = [blocks_view, sharing_view, spec_view, adapters_view]
+            gr.Timer(0.5).tick(self.refresh, None, live, api_name="views", concurrency_limit=None)
+            demo.load(self.refresh, None, live, api_name=False)
+        return demo
+
+
+def mount_playground(app: FastAPI, state: ServerState) -> FastAPI:
+    demo = Playground(state).build()
+    return gr.mount_gradio_app(app, demo, path="/", ssr_mode=False, footer_links=["api"])

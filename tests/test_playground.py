@@ -1,0 +1,155 @@
+"""The Gradio playground: a real headless Chromium (Debian's, driven by Playwright) and
+gradio_client against the app mounted on the HTTP server."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+from web import serving, wait_idle
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from playground.async_engine import AsyncEngine
+from playground.demo_adapters import write_demo_adapters
+from playground.server import ServerState, build_app
+from playground.ui import mount_playground
+
+MODEL = "smollm2-135m-instruct"
+ARTIFACTS = Path(os.environ.get("TANDEM_TEST_ARTIFACTS", Path(__file__).parent / "artifacts"))
+
+
+@pytest.fixture(scope="module")
+def playground():
+    adapters = write_demo_adapters(MODEL)
+    engine = LLMEngine(
+        EngineConfig(
+            model=MODEL,
+            num_threads=1,
+            num_kv_blocks=256,
+            speculative_method="ngram",
+            enable_lora=True,
+            max_model_len=2048,
+        )
+    )
+    state = ServerState(AsyncEngine(engine), MODEL, adapters)
+    app = mount_playground(build_app(state), state)
+    with serving(app) as url:
+        yield url, state
+    state.engine.shutdown()
+
+
+def _chromium() -> str:
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is missing (make test installs it with apt-get)")
+        pytest.skip("no chromium on this machine (apt-get install chromium)")
+    return path
+
+
+def test_page_streams_and_shows_block_tables(playground):
+    url, state = playground
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=_chromium(), args=["--no-sandbox", "--disable-gpu"]
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1500})
+            page.goto(url + "/", wait_until="load")
+            page.wait_for_selector("#generate", timeout=60_000)
+            page.fill("#prompt textarea", "Write a short poem about paged attention.")
+            page.click("#generate")
+            # Streamed: tokens appear while the request still runs...
+            page.wait_for_function(
+                "document.querySelectorAll('#output .tk').length >= 5", timeout=60_000
+            )
+            # ...and the live view draws its block table.
+            page.wait_for_function(
+                "document.querySelectorAll('#blocks-view .blk-row .blk').length > 0",
+                timeout=30_000,
+            )
+            assert page.locator("#blocks-view .blk").count() >= 256
+            page.wait_for_function(
+                "document.querySelector('#stats').innerText.includes('finished')",
+                timeout=120_000,
+            )
+            ARTIFACTS.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "playground.png"), full_page=True)
+            text = page.locator("#output").inner_text()
+            assert len(text.strip()) > 10
+        finally:
+            browser.close()
+    snap = wait_idle(state.engine)
+    assert snap["num_free_blocks"] == snap["num_blocks"]
+
+
+def test_gradio_client(playground):
+    url, state = playground
+    from gradio_client import Client
+
+    client = Client(url + "/", verbose=False)
+    html, stats = client.predict(
+        "completion",
+        "One, two, three, four, one, two, three, four, one, two,",
+        0.0,
+        1.0,
+        0,
+        24,
+        -1,
+        "ngram",
+        4,
+        False,
+        "demo-lora-a",
+        "choice",
+        "three\nfour",
+        api_name="/generate",
+    )
+    assert "finished: stop" in stats
+    assert 'class="tk tk-' in html
+    summary = client.predict(6, api_name="/load_test")
+    assert summary.startswith("load test: 6/6 requests finished"), summary
+    snap = wait_idle(state.engine)
+    assert snap["num_free_blocks"] == snap["num_blocks"]
+    assert snap["prefix_cache"]["hit_tokens"] > 0  # the shared system prompt
+    assert snap["lora"]["slot_loads"] > 0
+
+
+def test_views_show_requests_from_http_clients(playground):
+    """A request that comes in through /v1 shows up in the playground's live views."""
+    url, state = playground
+    from gradio_client import Client
+
+    client = Client(url + "/", verbose=False)
+    started = threading.Event()
+
+    def stream():
+        body = {
+            "model": MODEL,
+            "prompt": "Count slowly:",
+            "max_tokens": 200,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    started.set()
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    try:
+        assert started.wait(60)
+        blocks, sharing, spec, adapters = client.predict(api_name="/views")
+        assert "cmpl-" in blocks and "blk-row" in blocks
+        assert "cmpl-" in adapters and "(base model)" in adapters
+        assert "acceptance" in spec and "hit rate" in sharing
+    finally:
+        thread.join(120)
+    wait_idle(state.engine)

@@ -1,0 +1,484 @@
+"""The OpenAI-compatible server, driven with the official `openai` client over real HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from web import serving, wait_idle
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from lora.adapter import LoRARequest
+from playground.async_engine import AsyncEngine
+from playground.demo_adapters import write_demo_adapters
+from playground.server import ServerState, build_app
+
+MODEL = "smollm2-135m-instruct"
+API_KEY = "test-key-123"
+
+
+def make_state(model: str, adapters=None, **config) -> ServerState:
+    engine = LLMEngine(EngineConfig(model=model, num_threads=1, **config))
+    for a in (adapters or {}).values():
+        engine.load_lora(a)
+    return ServerState(AsyncEngine(engine), model, dict(adapters or {}), api_key=API_KEY)
+
+
+@pytest.fixture(scope="module")
+def demo_adapters():
+    return write_demo_adapters(MODEL)
+
+
+@pytest.fixture(scope="module")
+def smol(demo_adapters):
+    """SmolLM2 with n-gram speculation and two adapters, behind an API key."""
+    state = make_state(
+        MODEL,
+        demo_adapters,
+        num_kv_blocks=512,
+        speculative_method="ngram",
+        enable_lora=True,
+        max_model_len=2048,
+    )
+    with serving(build_app(state)) as url:
+        yield url, state
+    state.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(smol):
+    return openai.OpenAI(base_url=smol[0] + "/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(demo_adapters):
+    """The same model offline, without speculation: the reference outputs."""
+    return LLM(MODEL, num_kv_blocks=512, enable_lora=True, num_threads=1, max_model_len=2048)
+
+
+CHAT = [{"role": "user", "content": "Name three colours."}]
+
+
+def test_models_lists_base_and_adapters(client):
+    ids = [m.id for m in client.models.list().data]
+    assert ids == [MODEL, "demo-lora-a", "demo-lora-b"]
+
+
+def test_completion_equals_offline(client, offline):
+    r = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0
+    )
+    ref = offline.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=12))
+    assert r.choices[0].text == ref[0].outputs[0].text
+    assert r.usage.completion_tokens == len(ref[0].outputs[0].token_ids)
+    assert r.usage.prompt_tokens == len(ref[0].prompt_token_ids)
+    assert r.choices[0].finish_reason == "length"
+
+
+def test_chat_equals_offline_and_stream_equals_whole(client, offline):
+    whole = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0)
+    ref = offline.chat(CHAT, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    assert whole.choices[0].message.content == ref[0].outputs[0].text
+    assert whole.choices[0].message.role == "assistant"
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=24, temperature=0, stream=True
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finish == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None  # usage in the last chunk
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_completion_stream_n2_prompts2(client):
+    """Two prompts x n=2 streamed: four choices, each equal to the non-streamed one."""
+    args = dict(
+        model=MODEL, prompt=["One, two,", "Red, green,"], max_tokens=8, n=2, seed=7, temperature=0.8
+    )
+    whole = client.completions.create(**args)
+    texts: dict[int, str] = {}
+    for chunk in client.completions.create(**args, stream=True):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert sorted(texts) == [0, 1, 2, 3]
+    assert texts == {c.index: c.text for c in whole.choices}
+
+
+def test_logprobs_shapes(client):
+    r = client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=4, temperature=0, logprobs=3
+    )
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert all(len(t) == 3 for t in lp.top_logprobs)
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert all(
+        max(t.values()) == pytest.approx(v)
+        for t, v in zip(lp.top_logprobs, lp.token_logprobs, strict=True)
+    )
+    c = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = c.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 2 for t in content)
+    assert "".join(t.token for t in content) == c.choices[0].message.content
+
+
+def test_adapter_selected_by_model_name(client, offline, demo_adapters):
+    prompt = "Once upon a time"
+    params = SamplingParams(temperature=0, max_tokens=16)
+    outs = {}
+    for name in [MODEL, *demo_adapters]:
+        r = client.completions.create(model=name, prompt=prompt, max_tokens=16, temperature=0)
+        outs[name] = r.choices[0].text
+        lora = demo_adapters.get(name)
+        ref = offline.generate(prompt, params, use_tqdm=False, lora_request=lora)
+        assert outs[name] == ref[0].outputs[0].text, name
+    assert len(set(outs.values())) == 3  # each adapter changes the output
+
+
+def test_structured_outputs(client):
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}, "year": {"type": "integer"}},
+        "required": ["city", "year"],
+        "additionalProperties": False,
+    }
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Where and when were the first modern Olympics?"}],
+        max_tokens=64,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "o", "schema": schema}},
+    )
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    r = client.completions.create(
+        model=MODEL,
+        prompt="A date:",
+        max_tokens=20,
+        temperature=0.9,
+        seed=3,
+        extra_body={"structured_outputs": {"regex": r"[0-9]{4}-[0-9]{2}-[0-9]{2}"}},
+    )
+    assert len(r.choices[0].text) == 10 and r.choices[0].text[4] == "-"
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Is water wet?"}],
+        max_tokens=8,
+        extra_body={"guided_choice": ["yes", "no"]},
+    )
+    assert r.choices[0].message.content in ("yes", "no")
+
+
+LONG = "word " * 3000  # > 2048 tokens
+# (endpoint, body fields, status, param named, words the message must contain)
+ERRORS = [
+    ("completions", {"temperature": -1}, 400, "temperature", ["temperature", "-1"]),
+    ("completions", {"top_p": 1.5}, 400, "top_p", ["top_p"]),
+    ("completions", {"n": 0}, 400, "n", ["n must"]),
+    ("completions", {"max_tokens": 0}, 400, "max_tokens", ["max_tokens"]),
+    ("completions", {"max_tokens": "ten"}, 400, "max_tokens", ["integer"]),
+    ("completions", {"logprobs": 30}, 400, "logprobs", ["logprobs"]),
+    ("completions", {"top_k": -5}, 400, "top_k", ["top_k"]),
+    ("completions", {"stop": 5}, 400, "stop", ["stop"]),
+    ("completions", {"logit_bias": {"x": 1}}, 400, "logit_bias", ["logit_bias"]),
+    ("completions", {"logit_bias": {"999999": 1}}, 400, "logit_bias", ["999999"]),
+    ("completions", {"num_speculative_tokens": 99}, 400, "num_speculative_tokens", ["99"]),
+    ("completions", {"prompt": LONG}, 400, "prompt", ["tokens", "2048"]),
+    ("completions", {"prompt": "hi", "max_tokens": 5000}, 400, "max_tokens", ["5000", "2048"]),
+    ("completions", {"prompt": []}, 400, "prompt", ["prompt"]),
+    ("completions", {"model": "nope"}, 404, "model", ["nope"]),
+    ("completions", {"echo": True}, 400, "echo", ["echo"]),
+    ("completions", {"frobnicate": 1}, 400, "frobnicate", ["frobnicate"]),
+    ("completions", {"response_format": {"type": "xml"}}, 400, "response_format", ["xml"]),
+    (
+        "completions",
+        {"structured_outputs": {"regex": "(unclosed"}},
+        400,
+        "structured_outputs",
+        ["regex"],
+    ),
+    (
+        "completions",
+        {"guided_choice": ["a"], "response_format": {"type": "json_object"}},
+        400,
+        "guided_choice",
+        ["one constraint"],
+    ),
+    ("chat", {"messages": []}, 400, "messages", ["messages"]),
+    ("chat", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages", ["role"]),
+    ("chat", {"messages": [{"role": "user", "content": LONG}]}, 400, "messages", ["2048"]),
+    ("chat", {"tools": [{"type": "function"}]}, 400, "tools", ["tools"]),
+    ("chat", {"top_logprobs": 2}, 400, "top_logprobs", ["logprobs"]),
+    ("chat", {"presence_penalty": 3}, 400, "presence_penalty", ["presence_penalty"]),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "fields", "status", "param", "words"), ERRORS)
+def test_error_table(smol, endpoint, fields, status, param, words):
+    url, state = smol
+    body = {"model": MODEL, "max_tokens": 4}
+    body |= {"prompt": "hi"} if endpoint == "completions" else {"messages": CHAT}
+    body |= fields
+    path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
+    r = httpx.post(url + path, json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param, error
+    for word in words:
+        assert word in error["message"], error
+    snap = wait_idle(state.engine)  # nothing held, and the engine keeps serving
+    assert snap["num_free_blocks"] == snap["num_blocks"]
+
+
+def test_errors_leave_engine_serving(client):
+    r = client.completions.create(model=MODEL, prompt="2 + 2 =", max_tokens=3, temperature=0)
+    assert r.choices[0].text
+
+
+def test_errors_through_the_openai_client(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=CHAT, temperature=-1)
+    assert info.value.body["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-17", messages=CHAT)
+
+
+def test_api_key(smol):
+    url, _ = smol
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    assert httpx.post(url + "/v1/completions", json=body).status_code == 401
+    bad = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer no"})
+    assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(url + "/v1/models").status_code == 401
+    assert httpx.get(url + "/health").status_code == 200  # outside /v1: no key
+
+
+def test_body_size_limit(smol):
+    url, state = smol
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    big = {"model": MODEL, "prompt": "x" * (state.max_body_bytes + 10)}
+    r = httpx.post(url + "/v1/completions", json=big, headers=headers)
+    assert r.status_code == 413 and "exceeds" in r.json()["error"]["message"]
+
+    def chunks():  # no content-length: counted as it streams
+        payload = json.dumps(big).encode()
+        for i in range(0, len(payload), 65536):
+            yield payload[i : i + 65536]
+
+    r = httpx.post(url + "/v1/completions", content=chunks(), headers=headers)
+    assert r.status_code == 413
+    r = httpx.post(url + "/v1/completions", content=b"{not json", headers=headers)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+
+
+def _long_body(stream: bool) -> dict:
+    return {
+        "model": MODEL,
+        "prompt": "Tell me a very long story.",
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+
+
+def test_disconnect_while_streaming_frees_blocks(smol):
+    url, state = smol
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.stream("POST", url + "/v1/completions", json=_long_body(True), headers=headers) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        assert state.engine.engine.groups  # running
+    snap = wait_idle(state.engine)
+    assert snap["num_free_blocks"] == snap["num_blocks"]
+
+
+def test_disconnect_while_waiting_frees_blocks(smol):
+    url, state = smol
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json=_long_body(False), headers=headers, timeout=1.5)
+    snap = wait_idle(state.engine)
+    assert snap["num_free_blocks"] == snap["num_blocks"]
+    assert snap["num_generated_tokens"] > 0
+
+
+def test_metrics(smol, client):
+    url, state = smol
+    client.completions.create(
+        model=MODEL, prompt="one two three one two three one two", max_tokens=16, temperature=0
+    )
+    text = httpx.get(url + "/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in (
+        "tandem_num_requests_running",
+        "tandem_num_requests_waiting",
+        "tandem_kv_cache_usage_ratio",
+        "tandem_prefix_cache_hit_rate",
+        "tandem_num_preemptions",
+        "tandem_spec_draft_tokens",
+        "tandem_spec_accepted_tokens",
+        "tandem_generation_tokens",
+        "tandem_generation_tokens_per_second",
+        "tandem_time_to_first_token_seconds",
+        "tandem_inter_token_latency_seconds",
+    ):
+        assert name in families, name
+
+    def value(family: str, sample: str, **labels) -> float:
+        return sum(
+            s.value
+            for s in families[family].samples
+            if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())
+        )
+
+    snap = state.engine.snapshot()
+    assert (
+        value("tandem_generation_tokens", "tandem_generation_tokens_total")
+        == snap["num_generated_tokens"]
+    )
+    drafted = value("tandem_spec_draft_tokens", "tandem_spec_draft_tokens_total", position="0")
+    accepted = value("tandem_spec_accepted_tokens", "tandem_spec_accepted_tokens_total")
+    assert drafted == snap["speculation"]["drafted_at"][0] > 0
+    assert accepted == snap["speculation"]["num_accepted"]
+    finished = value(
+        "tandem_e2e_request_latency_seconds", "tandem_e2e_request_latency_seconds_count"
+    )
+    ttft = value("tandem_time_to_first_token_seconds", "tandem_time_to_first_token_seconds_count")
+    assert ttft >= finished > 0
+
+
+# ---- many clients at once ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny(tiny_llama):
+    state = make_state(str(tiny_llama), num_kv_blocks=1024, max_num_batched_tokens=512)
+    with serving(build_app(state)) as url:
+        yield url, state
+    state.engine.shutdown()
+
+
+def test_50_concurrent_requests_equal_each_alone(tiny):
+    """50 clients at once (greedy, mixed lengths) get what each gets alone, and the engine
+    batched them (far fewer steps than the requests one by one)."""
+    url, state = tiny
+    engine = state.engine.engine
+    prompts = [
+        bytes((i * 7 + j) % 200 + 32 for j in range(5 + i % 17)).decode("latin-1")
+        for i in range(50)
+    ]
+    prompts = [p.encode("utf-8", "ignore").decode("utf-8", "ignore") or "x" for p in prompts]
+
+    async def ask(c: openai.AsyncOpenAI, i: int) -> str:
+        r = await c.completions.create(
+            model=str(state.model_name), prompt=prompts[i], max_tokens=8 + i % 9, temperature=0
+        )
+        return r.choices[0].text
+
+    async def all_at_once() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0) as c:
+            return await asyncio.gather(*(ask(c, i) for i in range(50)))
+
+    steps = engine.num_steps
+    together = asyncio.run(all_at_once())
+    steps_together = engine.num_steps - steps
+
+    async def one_by_one() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0) as c:
+            return [await ask(c, i) for i in range(50)]
+
+    steps = engine.num_steps
+    alone = asyncio.run(one_by_one())
+    steps_alone = engine.num_steps - steps
+    assert together == alone
+    assert steps_together * 4 < steps_alone, (steps_together, steps_alone)
+    snap = wait_idle(state.engine)
+    assert snap["num_free_blocks"] == snap["num_blocks"]
+
+
+def test_unknown_adapter_path_fails_at_start(tiny_llama, tmp_path):
+    with pytest.raises(ValueError, match="adapter"):
+        make_state(
+            str(tiny_llama),
+            {"x": LoRARequest("x", str(tmp_path / "missing"))},
+            num_kv_blocks=64,
+            enable_lora=True,
+        )
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tiny_llama, draft_model):
+    state = make_state(
+        str(tiny_llama), num_kv_blocks=256, draft_model=str(draft_model), draft_quantization=None
+    )
+    with serving(build_app(state)) as url:
+        yield url, state
+    state.engine.shutdown()
+
+
+def test_draft_model_server_is_lossless(tiny_draft, tiny_llama):
+    url, state = tiny_draft
+    client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
+    ref = LLM(str(tiny_llama), num_kv_blocks=256)
+    for prompt in ["abcabcabc", "hello world", "zz"]:
+        r = client.completions.create(
+            model=state.model_name,
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            extra_body={"num_speculative_tokens": 3},
+        )
+        want = ref.generate(prompt, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+        assert r.choices[0].text == want[0].outputs[0].text
+    assert state.engine.snapshot()["speculation"]["num_drafts"] > 0
+
+
+@pytest.mark.parametrize("command", ["serve", "playground"])
+def test_command_line_starts_and_answers(tiny_llama, command):
+    """`tandem serve` / `tandem playground` as a user starts them: a process on a free port."""
+    import subprocess
+    import sys
+    import time
+
+    from playground.launch import free_port
+
+    port = free_port()
+    args = [sys.executable, "-m", "engine.cli", command, "--model", str(tiny_llama)]
+    args += ["--port", str(port), "--threads", "1", "--api-key", API_KEY]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
+        models = [m.id for m in client.models.list().data]
+        assert models[0] == str(tiny_llama)
+        if command == "playground":  # the UI at / and the demo adapters as models
+            assert httpx.get(url + "/").status_code == 200
+            assert models[1:] == ["demo-lora-a", "demo-lora-b"]
+        r = client.completions.create(model=models[-1], prompt="abc", max_tokens=4)
+        assert r.usage.completion_tokens == 4
+    finally:
+        proc.terminate()
+        proc.wait(30)
