@@ -388,6 +388,20 @@ def final_response(
         for c in out.outputs:
             completion_tokens += len(c.token_ids)
             choices.append(choice(ctx, i * n + c.index, c, logprobs, delta=False))
+            if out.prompt_logprobs is not None:  # vLLM's extension: per prompt position
+                choices[-1]["prompt_logprobs"] = [
+                    None
+                    if position is None
+                    else {
+                        str(t): {
+                            "logprob": lp.logprob,
+                            "rank": lp.rank,
+                            "decoded_token": lp.decoded_token,
+                        }
+                        for t, lp in position.items()
+                    }
+                    for position in out.prompt_logprobs
+                ]
     body = ctx.envelope(choices)
     body["usage"] = usage(prompt_tokens, completion_tokens, cached)
     return body

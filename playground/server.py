@@ -246,13 +246,18 @@ async def _collect_unless_disconnected(
     except EngineDeadError as exc:
         raise APIError(str(exc), status=503, type="server_error") from None
     finally:
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with suppress(BaseException):
-                await t
-        for s in streams:  # unfinished ones (never iterated, too) are aborted here
-            s.close()
+        await _cancel_and_close(tasks, streams)
+
+
+async def _cancel_and_close(tasks: list[asyncio.Future], streams: list[RequestStream]) -> None:
+    """Stop the readers, then abort every request that has not finished (never-read ones too)."""
+    for t in tasks:
+        t.cancel()
+    for t in tasks:
+        with suppress(BaseException):
+            await t
+    for s in streams:
+        s.close()
 
 
 async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -277,13 +282,7 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
                 remaining -= 1
             yield i, out
     finally:
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with suppress(BaseException):
-                await t
-        for s in streams:
-            s.close()
+        await _cancel_and_close(tasks, streams)
 
 
 async def _sse(

@@ -113,6 +113,23 @@ def test_gradio_client(playground):
     )
     assert "finished: stop" in stats
     assert 'class="tk tk-' in html
+    with pytest.raises(Exception, match="regex"):  # a bad constraint is shown, not swallowed
+        client.predict(
+            "completion",
+            "x",
+            0.0,
+            1.0,
+            0,
+            8,
+            -1,
+            "off",
+            4,
+            True,
+            "(base model)",
+            "regex",
+            "(unclosed",
+            api_name="/generate",
+        )
     summary = client.predict(6, api_name="/load_test")
     assert summary.startswith("load test: 6/6 requests finished"), summary
     snap = wait_idle(state.engine)

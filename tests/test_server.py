@@ -138,6 +138,17 @@ def test_logprobs_shapes(client):
     assert "".join(t.token for t in content) == c.choices[0].message.content
 
 
+def test_prompt_logprobs(client):
+    r = client.completions.create(
+        model=MODEL, prompt="The cat sat", max_tokens=1, extra_body={"prompt_logprobs": 1}
+    )
+    positions = r.choices[0].model_extra["prompt_logprobs"]
+    assert len(positions) == r.usage.prompt_tokens and positions[0] is None
+    assert all(
+        1 <= len(p) <= 2 and all(v["logprob"] <= 0 for v in p.values()) for p in positions[1:]
+    )
+
+
 def test_adapter_selected_by_model_name(client, offline, demo_adapters):
     prompt = "Once upon a time"
     params = SamplingParams(temperature=0, max_tokens=16)
