@@ -44,6 +44,7 @@ def add_server_args(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
 
@@ -78,6 +79,7 @@ def build_state(args: argparse.Namespace, adapters: dict[str, LoRARequest]) -> S
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         num_threads=args.threads,
+        enable_prefix_caching=not args.no_prefix_caching,
     )
     engine = LLMEngine(config)
     for adapter in adapters.values():  # load now: a bad adapter fails at start, not per request

@@ -84,6 +84,20 @@ def test_page_streams_and_shows_block_tables(playground):
             page.screenshot(path=str(ARTIFACTS / "playground.png"), full_page=True)
             text = page.locator("#output").inner_text()
             assert len(text.strip()) > 10
+            # The load test: requests sharing a system prompt share its blocks, and the grid
+            # shows those blocks with their reference counts.
+            page.click("#load-test")
+            page.wait_for_function(
+                "document.querySelectorAll('#blocks-view .blk-shared').length > 0",
+                timeout=60_000,
+            )
+            shared = page.locator("#blocks-view .blk-grid .blk-shared").first.inner_text()
+            assert int(shared) >= 2
+            page.screenshot(path=str(ARTIFACTS / "playground-load-test.png"), full_page=True)
+            page.wait_for_function(
+                "document.querySelector('#load-status').innerText.includes('12/12 requests')",
+                timeout=180_000,
+            )
         finally:
             browser.close()
     snap = wait_idle(state.engine)
