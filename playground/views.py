@@ -110,12 +110,13 @@ class History:
         )
 
     def windowed(self, num: str, den: str) -> list[float | None]:
-        """Per interval: d(num) / d(den), None where den did not move."""
+        """Per interval: d(num) / d(den); where den did not move, the last value holds (None
+        before the first)."""
         s = list(self.samples)
-        out = []
+        out: list[float | None] = []
         for a, b in zip(s, s[1:], strict=False):
             d = b[den] - a[den]
-            out.append((b[num] - a[num]) / d if d > 0 else None)
+            out.append((b[num] - a[num]) / d if d > 0 else (out[-1] if out else None))
         return out
 
     def rate(self, key: str) -> list[float]:
@@ -276,7 +277,7 @@ def render_sharing(snap: dict, history: History) -> str:
         f"<div>prefix-cache hit rate: <b>{pc['hit_rate']:.1%}</b> of "
         f"{pc['query_tokens']} prompt tokens ({pc['hit_tokens']} hit), "
         f"{pc['evictions']} evictions</div>"
-        "<div>hit rate over time (per interval)</div>"
+        "<div>hit rate over time (per interval, held while no prompt arrives)</div>"
         f"{sparkline(history.windowed('hit', 'query'), 1.0)}"
         f"{table}"
     )
