@@ -95,3 +95,27 @@ def causal_mask(
     if sliding_window is not None:
         mask &= k_pos > q_pos - sliding_window
     return mask
+
+
+def varlen_paged_attention(
+    q: torch.Tensor,  # [T, Hq, D], request after request
+    k_cache: torch.Tensor,  # [Hkv, num_blocks, block_size, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int
+    query_start_loc: torch.Tensor,  # [B + 1] int
+    seq_lens: torch.Tensor,  # [B] int, new tokens included
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    """The reference of kernels.triton_attention.paged_attention: request by request, causal
+    over its context plus its new tokens."""
+    out = torch.empty_like(q)
+    block_size = k_cache.shape[2]
+    starts = query_start_loc.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        lo, hi = starts[b], starts[b + 1]
+        if hi == lo:
+            continue
+        blocks = block_tables[b, : -(-seq_len // block_size)].long()
+        mask = causal_mask(seq_len - (hi - lo), hi - lo)
+        out[lo:hi] = prefill_attention(q[lo:hi], k_cache, v_cache, blocks, seq_len, mask, scale)
+    return out

@@ -1,10 +1,16 @@
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run in its interpreter on CPU. It must be set before anything imports
+    # triton (xgrammar does): triton's own library functions are built at import time.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(1)

@@ -1,0 +1,210 @@
+"""Triton kernels over the paged KV cache, each behind a launcher that checks shapes and sets
+the grid. Their pure-torch references are in kernels/reference.py (the CPU path).
+
+Cache layout (as the reference): per layer, K and V each [num_kv_heads, num_blocks, block_size,
+head_dim]; slot = block * block_size + offset; block 0 is the null block.
+
+- `store_kv`: write new tokens' K/V at their slots (slot -1: padding, skipped).
+- `paged_attention`: variable-length queries over paged KV with causal masking, one launch for
+  a batch that mixes decodes (1 query), speculative verification (1 + k queries) and prefill
+  chunks (many queries); GQA. One program per (request, query tile, query head); it walks the
+  request's blocks with an online softmax and stops at the last key its queries may see.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_t,  # k/v token stride
+    stride_h,  # k/v head stride
+    stride_ch,  # cache head stride
+    num_slots,  # num_blocks * block_size
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    slot = tl.load(slot_ptr + token)
+    if slot >= 0:
+        d = tl.arange(0, BLOCK_D)
+        inside = d < HEAD_DIM
+        src = token * stride_t + head * stride_h + d
+        dst = head * stride_ch + slot * HEAD_DIM + d
+        tl.store(k_cache_ptr + dst, tl.load(k_ptr + src, mask=inside), mask=inside)
+        tl.store(v_cache_ptr + dst, tl.load(v_ptr + src, mask=inside), mask=inside)
+
+
+def store_kv(
+    k_cache: torch.Tensor,  # [Hkv, num_blocks, block_size, D], contiguous
+    v_cache: torch.Tensor,
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int, -1 for padding tokens
+) -> None:
+    num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
+    num_tokens = k.shape[0]
+    if v_cache.shape != k_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(
+            f"k_cache/v_cache must be contiguous and alike, got {k_cache.shape}, {v_cache.shape}"
+        )
+    if k.shape != (num_tokens, num_kv_heads, head_dim) or v.shape != k.shape:
+        raise ValueError(
+            f"k/v must be [T, {num_kv_heads}, {head_dim}], got {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping must be [{num_tokens}], got {tuple(slot_mapping.shape)}")
+    if num_tokens == 0:
+        return
+    k, v = k.contiguous(), v.contiguous()
+    _store_kv_kernel[(num_tokens, num_kv_heads)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        k_cache.stride(0),
+        num_blocks * block_size,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,  # [T, Hq, D]
+    k_cache_ptr,  # [Hkv, NB, BS, D]
+    v_cache_ptr,
+    out_ptr,  # [T, Hq, D]
+    block_tables_ptr,  # [B, max_blocks]
+    query_start_ptr,  # [B + 1]
+    seq_lens_ptr,  # [B]
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_ch,  # cache head stride
+    stride_bt,  # block table row stride
+    GROUP: tl.constexpr,  # query heads per KV head
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # query tokens per program
+):
+    req = tl.program_id(0)
+    tile = tl.program_id(1)
+    head = tl.program_id(2)
+    kv_head = head // GROUP
+    q_start = tl.load(query_start_ptr + req)
+    q_len = tl.load(query_start_ptr + req + 1) - q_start
+    if tile * BLOCK_M < q_len:
+        seq_len = tl.load(seq_lens_ptr + req)
+        context_len = seq_len - q_len
+        m = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the request
+        m_valid = m < q_len
+        d = tl.arange(0, BLOCK_D)
+        d_valid = d < HEAD_DIM
+        q = tl.load(
+            q_ptr + (q_start + m)[:, None] * stride_qt + head * stride_qh + d[None, :],
+            mask=m_valid[:, None] & d_valid[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        q_pos = context_len + m  # absolute positions of the queries
+        row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        row_sum = tl.full([BLOCK_M], 0.0, tl.float32)
+        acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+        # Keys up to the last query's position: the tile's causal horizon.
+        last = tl.minimum(context_len + (tile + 1) * BLOCK_M, seq_len)
+        num_blocks = (last + BLOCK_SIZE - 1) // BLOCK_SIZE
+        offs = tl.arange(0, BLOCK_SIZE)
+        for j in range(0, num_blocks):
+            block = tl.load(block_tables_ptr + req * stride_bt + j)
+            k_pos = j * BLOCK_SIZE + offs
+            base = (
+                kv_head * stride_ch + (block * BLOCK_SIZE + offs)[:, None] * HEAD_DIM + d[None, :]
+            )
+            kv_mask = (k_pos < seq_len)[:, None] & d_valid[None, :]
+            k = tl.load(k_cache_ptr + base, mask=kv_mask, other=0.0).to(tl.float32)
+            v = tl.load(v_cache_ptr + base, mask=kv_mask, other=0.0).to(tl.float32)
+            scores = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_SIZE]
+            visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < seq_len)
+            scores = tl.where(visible, scores, float("-inf"))
+            new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+            # Rows that have seen nothing yet keep a max of -inf: guard the exponentials.
+            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+            correction = tl.exp(row_max - safe_max)
+            p = tl.exp(scores - safe_max[:, None])
+            row_sum = row_sum * correction + tl.sum(p, axis=1)
+            acc = acc * correction[:, None] + tl.dot(p, v)
+            row_max = new_max
+        out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
+        tl.store(
+            out_ptr + (q_start + m)[:, None] * stride_qt + head * stride_qh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=m_valid[:, None] & d_valid[None, :],
+        )
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]: every request's new query tokens, request after request
+    k_cache: torch.Tensor,  # [Hkv, num_blocks, block_size, D], contiguous
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int, padded with the null block 0
+    query_start_loc: torch.Tensor,  # [B + 1] int: request b's queries are q[start[b]:start[b+1]]
+    seq_lens: torch.Tensor,  # [B] int: tokens with KV in the cache, the new ones included
+    scale: float,
+    max_query_len: int,
+    block_m: int = 16,
+) -> torch.Tensor:  # [T, Hq, D]
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, _, block_size, _ = k_cache.shape
+    num_reqs = block_tables.shape[0]
+    if v_cache.shape != k_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache/v_cache must be contiguous and of one shape")
+    if k_cache.shape[3] != head_dim or num_heads % num_kv_heads:
+        raise ValueError(
+            f"q heads/dim {num_heads}/{head_dim} do not fit the cache's {num_kv_heads}/"
+            f"{k_cache.shape[3]}"
+        )
+    if query_start_loc.shape != (num_reqs + 1,) or seq_lens.shape != (num_reqs,):
+        raise ValueError(
+            f"query_start_loc must be [{num_reqs + 1}] and seq_lens [{num_reqs}], got "
+            f"{tuple(query_start_loc.shape)}, {tuple(seq_lens.shape)}"
+        )
+    if block_size & (block_size - 1) or block_size < 16:
+        raise ValueError(f"block_size must be a power of two >= 16, got {block_size}")
+    out = torch.empty_like(q)
+    if num_tokens == 0 or num_reqs == 0:
+        return out
+    block_m = max(16, min(block_m, triton.next_power_of_2(max(max_query_len, 1))))
+    grid = (num_reqs, triton.cdiv(max(max_query_len, 1), block_m), num_heads)
+    _paged_attention_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        block_tables.stride(0),
+        GROUP=num_heads // num_kv_heads,
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=block_m,
+    )
+    return out

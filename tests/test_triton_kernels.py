@@ -1,0 +1,132 @@
+"""Triton kernels against their pure-torch references: under TRITON_INTERPRET=1 on CPU (tiny
+fp32 shapes, the default run), and on CUDA with bf16 when a GPU is present (`gpu` marker)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import reference
+from kernels.triton_attention import paged_attention, store_kv  # TRITON_INTERPRET: conftest
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_cache(num_kv_heads, num_blocks, block_size, head_dim, gen, dtype=torch.float32):
+    shape = (num_kv_heads, num_blocks, block_size, head_dim)
+    k = torch.randn(shape, generator=gen).to(DEVICE, dtype)
+    v = torch.randn(shape, generator=gen).to(DEVICE, dtype)
+    return k, v
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_store_kv_equals_reference_and_skips_padding(block_size):
+    gen = torch.Generator().manual_seed(0)
+    k_cache, v_cache = make_cache(2, 6, block_size, 8, gen)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    slots = torch.tensor(
+        [0, block_size - 1, block_size, 3 * block_size + 5, -1, 6 * block_size - 1]
+    )
+    k = torch.randn(len(slots), 2, 8, generator=gen).to(DEVICE)
+    v = torch.randn(len(slots), 2, 8, generator=gen).to(DEVICE)
+    store_kv(k_cache, v_cache, k, v, slots.to(DEVICE))
+    keep = slots >= 0
+    reference.write_kv(ref_k, ref_v, k[keep], v[keep], slots[keep].to(DEVICE))
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+
+
+def ragged_batch(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, gen, dtype):
+    """Requests with ctx_lens cached tokens and q_lens new ones, blocks scattered in the pool."""
+    seq_lens = [c + q for c, q in zip(ctx_lens, q_lens, strict=True)]
+    need = [-(-s // block_size) for s in seq_lens]
+    num_blocks = 1 + sum(need) + 3
+    k_cache, v_cache = make_cache(num_kv_heads, num_blocks, block_size, head_dim, gen, dtype)
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables = torch.zeros(len(q_lens), max(need) + 2, dtype=torch.int32)
+    for b, n in enumerate(need):
+        tables[b, :n] = torch.tensor(perm[:n])
+        perm = perm[n:]
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(DEVICE, dtype)
+    return (
+        q,
+        k_cache,
+        v_cache,
+        tables.to(DEVICE),
+        starts.to(DEVICE),
+        torch.tensor(seq_lens, dtype=torch.int32).to(DEVICE),
+    )
+
+
+CASES = [
+    # (q_lens, ctx_lens): decodes, a verification (1 + 3 drafts), prefill chunks, block edges
+    ([1, 1, 1], [0, 15, 16]),
+    ([4, 1, 7], [17, 31, 0]),
+    ([20, 1, 4, 1], [12, 47, 32, 1]),
+    ([33], [0]),
+]
+
+
+@pytest.mark.parametrize(("q_lens", "ctx_lens"), CASES)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (4, 2), (4, 1)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_paged_attention_equals_reference(q_lens, ctx_lens, num_heads, num_kv_heads, block_size):
+    gen = torch.Generator().manual_seed(sum(q_lens) + 7 * sum(ctx_lens) + num_heads)
+    head_dim = 16
+    q, k_cache, v_cache, tables, starts, seq_lens = ragged_batch(
+        q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, gen, torch.float32
+    )
+    scale = head_dim**-0.5
+    got = paged_attention(q, k_cache, v_cache, tables, starts, seq_lens, scale, max(q_lens))
+    want = reference.varlen_paged_attention(q, k_cache, v_cache, tables, starts, seq_lens, scale)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_paged_attention_reads_only_the_requests_blocks():
+    """Poisoning every block no request owns (and the null block) changes nothing."""
+    gen = torch.Generator().manual_seed(5)
+    q, k_cache, v_cache, tables, starts, seq_lens = ragged_batch(
+        [3, 1], [14, 20], 4, 2, 16, 16, gen, torch.float32
+    )
+    args = (tables, starts, seq_lens, 0.25, 3)
+    clean = paged_attention(q, k_cache, v_cache, *args)
+    owned = set(tables[tables > 0].tolist())
+    for b in range(k_cache.shape[1]):
+        if b not in owned:
+            k_cache[:, b] = float("nan")
+            v_cache[:, b] = float("nan")
+    assert torch.equal(paged_attention(q, k_cache, v_cache, *args), clean)
+
+
+def test_launchers_refuse_bad_shapes():
+    gen = torch.Generator().manual_seed(0)
+    k_cache, v_cache = make_cache(2, 4, 16, 8, gen)
+    with pytest.raises(ValueError, match="k/v must be"):
+        store_kv(k_cache, v_cache, torch.zeros(3, 4, 8), torch.zeros(3, 4, 8), torch.zeros(3))
+    with pytest.raises(ValueError, match="query_start_loc"):
+        paged_attention(
+            torch.zeros(2, 4, 8),
+            k_cache,
+            v_cache,
+            torch.zeros(2, 2, dtype=torch.int32),
+            torch.zeros(2, dtype=torch.int32),
+            torch.ones(2, dtype=torch.int32),
+            1.0,
+            1,
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_paged_attention_bf16_on_gpu(block_size):
+    gen = torch.Generator().manual_seed(1)
+    q_lens, ctx_lens = [1] * 24 + [5] * 4 + [300, 64], [900 + 37 * i for i in range(30)]
+    q, k_cache, v_cache, tables, starts, seq_lens = ragged_batch(
+        q_lens, ctx_lens, 32, 8, 128, block_size, gen, torch.bfloat16
+    )
+    got = paged_attention(q, k_cache, v_cache, tables, starts, seq_lens, 128**-0.5, max(q_lens))
+    want = reference.varlen_paged_attention(
+        q.float(), k_cache.float(), v_cache.float(), tables, starts, seq_lens, 128**-0.5
+    )
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
