@@ -40,10 +40,44 @@ class PrefillSpan:
 
 
 @dataclass(slots=True)
+class VarlenBatch:
+    """What the Triton kernel takes: every request in one launch (kernels/triton_attention)."""
+
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with the null block
+    max_query_len: int
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64
     buckets: list[QueryBucket]
     prefills: list[PrefillSpan]
+    varlen: VarlenBatch | None = None  # set for the Triton backend (then no buckets, prefills)
+
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def resolve_backend(name: str, sliding_window: int | None) -> str:
+    """ "auto": Triton where CUDA is, else the torch reference (this engine runs on CPU today,
+    so auto is torch); "triton" on CPU needs TRITON_INTERPRET=1 (triton's interpreter)."""
+    import os
+
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
+    if name == "auto":
+        return "torch"
+    if name == "triton":
+        if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "attention_backend='triton' needs a CUDA device or TRITON_INTERPRET=1 (set "
+                "before triton is imported)"
+            )
+        if sliding_window is not None:
+            raise ValueError("attention_backend='triton' does not support sliding_window yet")
+    return name
 
 
 def split_by_length(lens: list[int], overhead: int) -> list[tuple[int, int]]:
@@ -99,7 +133,12 @@ def build_metadata(
     slot_mapping: torch.Tensor,
     block_size: int,
     sliding_window: int | None,
+    backend: str = "torch",
 ) -> AttentionMetadata:
+    if backend == "triton":
+        return AttentionMetadata(
+            slot_mapping, [], [], _varlen(seq_lens, query_lens, block_tables, block_size)
+        )
     row_starts, row = [], 0
     for n in query_lens:
         row_starts.append(row)
@@ -141,6 +180,18 @@ def build_metadata(
     return AttentionMetadata(slot_mapping, buckets, prefills)
 
 
+def _varlen(
+    seq_lens: list[int], query_lens: list[int], block_tables: list[list[int]], block_size: int
+) -> VarlenBatch:
+    num_blocks = [-(-n // block_size) for n in seq_lens]
+    tables = torch.zeros(len(seq_lens), max(num_blocks), dtype=torch.int32)
+    for i, n in enumerate(num_blocks):
+        tables[i, :n] = torch.tensor(block_tables[i][:n], dtype=torch.int32)
+    starts = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    starts[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
+    return VarlenBatch(starts, torch.tensor(seq_lens, dtype=torch.int32), tables, max(query_lens))
+
+
 def paged_attention(
     q: torch.Tensor,  # [num_tokens, Hq, D]
     k: torch.Tensor,  # [num_tokens, Hkv, D]
@@ -150,6 +201,21 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, Hq, D]
+    if meta.varlen is not None:
+        from kernels import triton_attention
+
+        vb = meta.varlen
+        triton_attention.store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        return triton_attention.paged_attention(
+            q.contiguous(),
+            k_cache,
+            v_cache,
+            vb.block_tables,
+            vb.query_start_loc,
+            vb.seq_lens,
+            scale,
+            vb.max_query_len,
+        )
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty_like(q)

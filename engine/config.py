@@ -21,6 +21,9 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.1
     num_kv_blocks: int | None = None  # exact pool size, overrides the byte budget (tests)
     enable_prefix_caching: bool = True
+    # Paged attention: "torch" (the reference, the CPU path), "triton" (kernels/, on CUDA or
+    # under TRITON_INTERPRET=1), or "auto" (Triton on CUDA, else torch).
+    attention_backend: str = "auto"
     seed: int = 0  # engine generator for unseeded random sampling
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     # Speculative decoding: "ngram" (prompt lookup) or "draft" (a draft model; setting

@@ -9,6 +9,7 @@ from collections import OrderedDict
 import torch
 from transformers import AutoTokenizer
 
+from engine.attention import resolve_backend
 from engine.config import MAX_SPECULATIVE_TOKENS, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.grammar.constraint import StructuredOutputs
@@ -83,7 +84,8 @@ class LLMEngine:
             config.max_num_batched_tokens,
             config.max_loras if config.enable_lora else None,
         )
-        self.runner = ModelRunner(model, cfg, num_blocks, config.block_size)
+        backend = resolve_backend(config.attention_backend, cfg.sliding_window)
+        self.runner = ModelRunner(model, cfg, num_blocks, config.block_size, backend)
         self.loras: OrderedDict[str, LoRAAdapter] = OrderedDict()  # loaded, least recent first
         self.draft_loras: OrderedDict[str, LoRAAdapter] = OrderedDict()  # for the draft model
         if config.enable_lora:
@@ -92,7 +94,8 @@ class LLMEngine:
         self.draft_runner = None
         self.proposer: Proposer | None = None
         if draft is not None:
-            self.draft_runner = ModelRunner(*draft, num_blocks, config.block_size)
+            draft_backend = resolve_backend(config.attention_backend, draft[1].sliding_window)
+            self.draft_runner = ModelRunner(*draft, num_blocks, config.block_size, draft_backend)
             self.draft_runner.lora_of = lambda request: request.draft_lora
             if config.enable_lora:
                 self.draft_runner.lora_slots = LoRASlots(

@@ -58,10 +58,18 @@ class ModelRunner:
     """A model and its paged KV cache. The target and a draft model each have one; both
     address their caches with the same block tables."""
 
-    def __init__(self, model: LlamaForCausalLM, cfg: ModelConfig, num_blocks: int, block_size: int):
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        cfg: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        attention_backend: str = "torch",
+    ):
         self.model = model
         self.cfg = cfg
         self.block_size = block_size
+        self.attention_backend = attention_backend  # "torch" (reference) or "triton"
         # [num_layers, 2 (K, V), Hkv, num_blocks, block_size, D]
         self.kv_caches = torch.zeros(
             cfg.num_layers, 2, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim
@@ -98,6 +106,7 @@ class ModelRunner:
             torch.tensor(slots, dtype=torch.long),
             bs,
             self.cfg.sliding_window,
+            self.attention_backend,
         )
         return self.model(
             torch.tensor(input_ids, dtype=torch.long),
