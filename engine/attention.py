@@ -206,6 +206,10 @@ def paged_attention(
 
         vb = meta.varlen
         triton_attention.store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        if vb.max_query_len == 1:  # decodes only: contexts split across programs
+            return triton_attention.paged_decode_attention(
+                q, k_cache, v_cache, vb.block_tables, vb.seq_lens, scale
+            )
         return triton_attention.paged_attention(
             q.contiguous(),
             k_cache,

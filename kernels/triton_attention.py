@@ -9,6 +9,8 @@ head_dim]; slot = block * block_size + offset; block 0 is the null block.
   a batch that mixes decodes (1 query), speculative verification (1 + k queries) and prefill
   chunks (many queries); GQA. One program per (request, query tile, query head); it walks the
   request's blocks with an online softmax and stops at the last key its queries may see.
+- `paged_decode_attention`: one query per request, each context split across programs
+  (split-KV) and merged by log-sum-exp; one program serves all query heads of a KV head.
 """
 
 from __future__ import annotations
@@ -206,5 +208,174 @@ def paged_attention(
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_M=block_m,
+    )
+    return out
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,  # [B, Hq, D]
+    k_cache_ptr,  # [Hkv, NB, BS, D]
+    v_cache_ptr,
+    part_out_ptr,  # [B, Hq, S, D] fp32: each split's normalised output
+    part_lse_ptr,  # [B, Hq, S] fp32: each split's log-sum-exp (-inf when it saw no key)
+    block_tables_ptr,  # [B, max_blocks]
+    seq_lens_ptr,  # [B]
+    scale,
+    stride_qb,
+    stride_qh,
+    stride_ch,
+    stride_bt,
+    num_splits,
+    blocks_per_split,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,  # GROUP padded to a power of two >= 16 (tl.dot's minimum)
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + req)
+    g = tl.arange(0, BLOCK_G)
+    g_valid = g < GROUP
+    heads = kv_head * GROUP + g
+    d = tl.arange(0, BLOCK_D)
+    d_valid = d < HEAD_DIM
+    q = tl.load(
+        q_ptr + req * stride_qb + heads[:, None] * stride_qh + d[None, :],
+        mask=g_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    row_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    row_sum = tl.full([BLOCK_G], 0.0, tl.float32)
+    acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
+    first = split * blocks_per_split
+    last = tl.minimum(first + blocks_per_split, (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE)
+    offs = tl.arange(0, BLOCK_SIZE)
+    for j in range(first, last):
+        block = tl.load(block_tables_ptr + req * stride_bt + j)
+        k_pos = j * BLOCK_SIZE + offs
+        base = kv_head * stride_ch + (block * BLOCK_SIZE + offs)[:, None] * HEAD_DIM + d[None, :]
+        kv_mask = (k_pos < seq_len)[:, None] & d_valid[None, :]
+        k = tl.load(k_cache_ptr + base, mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(v_cache_ptr + base, mask=kv_mask, other=0.0).to(tl.float32)
+        scores = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_G, BLOCK_SIZE]
+        scores = tl.where((k_pos < seq_len)[None, :], scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        correction = tl.exp(row_max - safe_max)
+        p = tl.exp(scores - safe_max[:, None])
+        row_sum = row_sum * correction + tl.sum(p, axis=1)
+        acc = acc * correction[:, None] + tl.dot(p, v)
+        row_max = new_max
+    seen = row_sum > 0.0
+    out = acc / tl.where(seen, row_sum, 1.0)[:, None]
+    lse = tl.where(seen, row_max + tl.log(tl.where(seen, row_sum, 1.0)), float("-inf"))
+    row = (req * tl.num_programs(1) * GROUP + heads) * num_splits + split
+    tl.store(
+        part_out_ptr + row[:, None] * HEAD_DIM + d[None, :],
+        out,
+        mask=g_valid[:, None] & d_valid[None, :],
+    )
+    tl.store(part_lse_ptr + row, lse, mask=g_valid)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_out_ptr,  # [B, Hq, S, D]
+    part_lse_ptr,  # [B, Hq, S]
+    out_ptr,  # [B, Hq, D]
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    row = tl.program_id(0)  # b * Hq + h
+    s = tl.arange(0, BLOCK_S)
+    s_valid = s < num_splits
+    lse = tl.load(part_lse_ptr + row * num_splits + s, mask=s_valid, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    weights = tl.where(s_valid, tl.exp(lse - top), 0.0)
+    weights = weights / tl.sum(weights, axis=0)
+    d = tl.arange(0, BLOCK_D)
+    parts = tl.load(
+        part_out_ptr + (row * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
+        mask=s_valid[:, None] & (d < HEAD_DIM)[None, :],
+        other=0.0,
+    )
+    out = tl.sum(parts * weights[:, None], axis=0)
+    tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, Hq, D], one query per request
+    k_cache: torch.Tensor,  # [Hkv, num_blocks, block_size, D], contiguous
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int
+    seq_lens: torch.Tensor,  # [B] int, >= 1 (the query's own key included)
+    scale: float,
+    blocks_per_split: int = 16,
+) -> torch.Tensor:  # [B, Hq, D]
+    """Decode attention with each request's context split across programs (blocks_per_split
+    blocks each), the partial results merged by their log-sum-exp: long contexts use many
+    programs instead of one. Each program serves all query heads of one KV head (GQA)."""
+    num_reqs, num_heads, head_dim = q.shape
+    num_kv_heads, _, block_size, _ = k_cache.shape
+    if v_cache.shape != k_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache/v_cache must be contiguous and of one shape")
+    if k_cache.shape[3] != head_dim or num_heads % num_kv_heads:
+        raise ValueError(
+            f"q heads/dim {num_heads}/{head_dim} do not fit the cache's {num_kv_heads}/"
+            f"{k_cache.shape[3]}"
+        )
+    if block_tables.shape[0] != num_reqs or seq_lens.shape != (num_reqs,):
+        raise ValueError(
+            f"block_tables must be [{num_reqs}, max_blocks] and seq_lens [{num_reqs}], got "
+            f"{tuple(block_tables.shape)}, {tuple(seq_lens.shape)}"
+        )
+    if block_size & (block_size - 1) or block_size < 16:
+        raise ValueError(f"block_size must be a power of two >= 16, got {block_size}")
+    if blocks_per_split < 1:
+        raise ValueError(f"blocks_per_split must be >= 1, got {blocks_per_split}")
+    out = torch.empty_like(q)
+    if num_reqs == 0:
+        return out
+    q = q.contiguous()
+    num_splits = triton.cdiv(block_tables.shape[1], blocks_per_split)
+    part_out = torch.empty(num_reqs, num_heads, num_splits, head_dim, device=q.device)
+    part_lse = torch.empty(num_reqs, num_heads, num_splits, device=q.device)
+    group = num_heads // num_kv_heads
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_split_kernel[(num_reqs, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        part_out,
+        part_lse,
+        block_tables,
+        seq_lens,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        block_tables.stride(0),
+        num_splits,
+        blocks_per_split,
+        GROUP=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+    )
+    _decode_merge_kernel[(num_reqs * num_heads,)](
+        part_out,
+        part_lse,
+        out,
+        num_splits,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
     )
     return out
