@@ -135,15 +135,7 @@ class LLM:
                     for c in out.outputs:
                         chars, toks = sent.get(c.index, (0, 0))
                         sent[c.index] = (len(c.text), len(c.token_ids))
-                        deltas.append(
-                            replace(
-                                c,
-                                text=c.text[chars:],
-                                token_ids=c.token_ids[toks:],
-                                token_kinds=c.token_kinds[toks:],
-                                logprobs=c.logprobs[toks:] if c.logprobs is not None else None,
-                            )
-                        )
+                        deltas.append(c.since(chars, toks))
                     finished = out.finished
                     yield replace(out, outputs=deltas)
         finally:

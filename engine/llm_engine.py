@@ -418,6 +418,7 @@ class LLMEngine:
                 # Fork every sibling before any append can finish (and free) the leader.
                 leader = self.groups[request.request_id].requests[0]
                 self.kv.fork(leader, request)
+                request.step_kinds = "p"  # its first token: sampled from the leader's logits
                 request.num_computed_tokens = leader.num_computed_tokens
                 request.num_draft_computed = leader.num_draft_computed
                 self.scheduler.add_running(request)
@@ -426,10 +427,7 @@ class LLMEngine:
             group = self.groups[request.request_id]
             touched[group.request_id] = group
             logprobs = result.logprobs.get(request) or [None] * len(tokens)
-            kinds = (
-                request.step_kinds if len(request.step_kinds) == len(tokens) else "p" * len(tokens)
-            )
-            for token, lp, kind in zip(tokens, logprobs, kinds, strict=True):
+            for token, lp, kind in zip(tokens, logprobs, request.step_kinds, strict=True):
                 if kind == "r":
                     request.rejected_drafts.append(
                         (request.num_output_tokens, request.step_rejected)
@@ -497,7 +495,7 @@ class LLMEngine:
                     finish_reason=FINISH_REASONS.get(request.status),
                     stop_reason=request.stop_reason,
                     token_kinds="".join(request.token_kinds),
-                    rejected_drafts=request.rejected_drafts,
+                    rejected_drafts=list(request.rejected_drafts),
                 )
             )
         leader = group.requests[0]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from spec.metrics import SpecStats
 
@@ -35,6 +35,16 @@ class CompletionOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def since(self, chars: int, tokens: int) -> CompletionOutput:
+        """What is new after the first `chars` characters and `tokens` tokens (streaming)."""
+        return replace(
+            self,
+            text=self.text[chars:],
+            token_ids=self.token_ids[tokens:],
+            token_kinds=self.token_kinds[tokens:],
+            logprobs=self.logprobs[tokens:] if self.logprobs is not None else None,
+        )
 
 
 @dataclass

@@ -20,6 +20,27 @@ import triton
 import triton.language as tl
 
 
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if v_cache.shape != k_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(
+            f"k_cache/v_cache must be contiguous and alike, got {tuple(k_cache.shape)}, "
+            f"{tuple(v_cache.shape)}"
+        )
+
+
+def _check_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """q [..., Hq, D] against a cache [Hkv, num_blocks, block_size, D]."""
+    _check_cache(k_cache, v_cache)
+    num_heads, head_dim = q.shape[-2:]
+    num_kv_heads, _, block_size, cache_dim = k_cache.shape
+    if cache_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(
+            f"q heads/dim {num_heads}/{head_dim} do not fit the cache's {num_kv_heads}/{cache_dim}"
+        )
+    if block_size & (block_size - 1) or block_size < 16:
+        raise ValueError(f"block_size must be a power of two >= 16, got {block_size}")
+
+
 @triton.jit
 def _store_kv_kernel(
     k_ptr,
@@ -30,7 +51,6 @@ def _store_kv_kernel(
     stride_t,  # k/v token stride
     stride_h,  # k/v head stride
     stride_ch,  # cache head stride
-    num_slots,  # num_blocks * block_size
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -53,12 +73,9 @@ def store_kv(
     v: torch.Tensor,  # [T, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int, -1 for padding tokens
 ) -> None:
-    num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
+    num_kv_heads, _, _, head_dim = k_cache.shape
     num_tokens = k.shape[0]
-    if v_cache.shape != k_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError(
-            f"k_cache/v_cache must be contiguous and alike, got {k_cache.shape}, {v_cache.shape}"
-        )
+    _check_cache(k_cache, v_cache)
     if k.shape != (num_tokens, num_kv_heads, head_dim) or v.shape != k.shape:
         raise ValueError(
             f"k/v must be [T, {num_kv_heads}, {head_dim}], got {tuple(k.shape)}, {tuple(v.shape)}"
@@ -77,10 +94,50 @@ def store_kv(
         k.stride(0),
         k.stride(1),
         k_cache.stride(0),
-        num_blocks * block_size,
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
     )
+
+
+@triton.jit
+def _attend_block(
+    q,  # [ROWS, BLOCK_D] fp32
+    q_pos,  # [ROWS] absolute position of each query row
+    row_max,  # [ROWS] running max, row_sum [ROWS], acc [ROWS, BLOCK_D]: the online softmax
+    row_sum,
+    acc,
+    k_cache_ptr,
+    v_cache_ptr,
+    block,  # physical block id
+    j,  # its index in the request's block table
+    kv_head,
+    stride_ch,
+    seq_len,
+    scale,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One block of keys into the running softmax: keys past seq_len or after a row's own
+    position are hidden."""
+    offs = tl.arange(0, BLOCK_SIZE)
+    d = tl.arange(0, BLOCK_D)
+    k_pos = j * BLOCK_SIZE + offs
+    base = kv_head * stride_ch + (block * BLOCK_SIZE + offs)[:, None] * HEAD_DIM + d[None, :]
+    kv_mask = (k_pos < seq_len)[:, None] & (d < HEAD_DIM)[None, :]
+    k = tl.load(k_cache_ptr + base, mask=kv_mask, other=0.0).to(tl.float32)
+    v = tl.load(v_cache_ptr + base, mask=kv_mask, other=0.0).to(tl.float32)
+    scores = tl.dot(q, tl.trans(k)) * scale  # [ROWS, BLOCK_SIZE]
+    visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < seq_len)
+    scores = tl.where(visible, scores, float("-inf"))
+    new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+    # Rows that have seen nothing yet keep a max of -inf: guard the exponentials.
+    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+    correction = tl.exp(row_max - safe_max)
+    p = tl.exp(scores - safe_max[:, None])
+    row_sum = row_sum * correction + tl.sum(p, axis=1)
+    acc = acc * correction[:, None] + tl.dot(p, v)
+    return new_max, row_sum, acc
 
 
 @triton.jit
@@ -128,27 +185,26 @@ def _paged_attention_kernel(
         # Keys up to the last query's position: the tile's causal horizon.
         last = tl.minimum(context_len + (tile + 1) * BLOCK_M, seq_len)
         num_blocks = (last + BLOCK_SIZE - 1) // BLOCK_SIZE
-        offs = tl.arange(0, BLOCK_SIZE)
         for j in range(0, num_blocks):
             block = tl.load(block_tables_ptr + req * stride_bt + j)
-            k_pos = j * BLOCK_SIZE + offs
-            base = (
-                kv_head * stride_ch + (block * BLOCK_SIZE + offs)[:, None] * HEAD_DIM + d[None, :]
+            row_max, row_sum, acc = _attend_block(
+                q,
+                q_pos,
+                row_max,
+                row_sum,
+                acc,
+                k_cache_ptr,
+                v_cache_ptr,
+                block,
+                j,
+                kv_head,
+                stride_ch,
+                seq_len,
+                scale,
+                BLOCK_SIZE,
+                HEAD_DIM,
+                BLOCK_D,
             )
-            kv_mask = (k_pos < seq_len)[:, None] & d_valid[None, :]
-            k = tl.load(k_cache_ptr + base, mask=kv_mask, other=0.0).to(tl.float32)
-            v = tl.load(v_cache_ptr + base, mask=kv_mask, other=0.0).to(tl.float32)
-            scores = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_SIZE]
-            visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < seq_len)
-            scores = tl.where(visible, scores, float("-inf"))
-            new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-            # Rows that have seen nothing yet keep a max of -inf: guard the exponentials.
-            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-            correction = tl.exp(row_max - safe_max)
-            p = tl.exp(scores - safe_max[:, None])
-            row_sum = row_sum * correction + tl.sum(p, axis=1)
-            acc = acc * correction[:, None] + tl.dot(p, v)
-            row_max = new_max
         out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
         tl.store(
             out_ptr + (q_start + m)[:, None] * stride_qt + head * stride_qh + d[None, :],
@@ -171,20 +227,12 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_cache.shape
     num_reqs = block_tables.shape[0]
-    if v_cache.shape != k_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache/v_cache must be contiguous and of one shape")
-    if k_cache.shape[3] != head_dim or num_heads % num_kv_heads:
-        raise ValueError(
-            f"q heads/dim {num_heads}/{head_dim} do not fit the cache's {num_kv_heads}/"
-            f"{k_cache.shape[3]}"
-        )
+    _check_attention(q, k_cache, v_cache)
     if query_start_loc.shape != (num_reqs + 1,) or seq_lens.shape != (num_reqs,):
         raise ValueError(
             f"query_start_loc must be [{num_reqs + 1}] and seq_lens [{num_reqs}], got "
             f"{tuple(query_start_loc.shape)}, {tuple(seq_lens.shape)}"
         )
-    if block_size & (block_size - 1) or block_size < 16:
-        raise ValueError(f"block_size must be a power of two >= 16, got {block_size}")
     out = torch.empty_like(q)
     if num_tokens == 0 or num_reqs == 0:
         return out
@@ -253,23 +301,27 @@ def _decode_split_kernel(
     acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
     first = split * blocks_per_split
     last = tl.minimum(first + blocks_per_split, (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE)
-    offs = tl.arange(0, BLOCK_SIZE)
+    q_pos = tl.full([BLOCK_G], 0, tl.int32) + seq_len - 1  # the decode query sees every key
     for j in range(first, last):
         block = tl.load(block_tables_ptr + req * stride_bt + j)
-        k_pos = j * BLOCK_SIZE + offs
-        base = kv_head * stride_ch + (block * BLOCK_SIZE + offs)[:, None] * HEAD_DIM + d[None, :]
-        kv_mask = (k_pos < seq_len)[:, None] & d_valid[None, :]
-        k = tl.load(k_cache_ptr + base, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_cache_ptr + base, mask=kv_mask, other=0.0).to(tl.float32)
-        scores = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_G, BLOCK_SIZE]
-        scores = tl.where((k_pos < seq_len)[None, :], scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-        correction = tl.exp(row_max - safe_max)
-        p = tl.exp(scores - safe_max[:, None])
-        row_sum = row_sum * correction + tl.sum(p, axis=1)
-        acc = acc * correction[:, None] + tl.dot(p, v)
-        row_max = new_max
+        row_max, row_sum, acc = _attend_block(
+            q,
+            q_pos,
+            row_max,
+            row_sum,
+            acc,
+            k_cache_ptr,
+            v_cache_ptr,
+            block,
+            j,
+            kv_head,
+            stride_ch,
+            seq_len,
+            scale,
+            BLOCK_SIZE,
+            HEAD_DIM,
+            BLOCK_D,
+        )
     seen = row_sum > 0.0
     out = acc / tl.where(seen, row_sum, 1.0)[:, None]
     lse = tl.where(seen, row_max + tl.log(tl.where(seen, row_sum, 1.0)), float("-inf"))
@@ -323,20 +375,12 @@ def paged_decode_attention(
     programs instead of one. Each program serves all query heads of one KV head (GQA)."""
     num_reqs, num_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_cache.shape
-    if v_cache.shape != k_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache/v_cache must be contiguous and of one shape")
-    if k_cache.shape[3] != head_dim or num_heads % num_kv_heads:
-        raise ValueError(
-            f"q heads/dim {num_heads}/{head_dim} do not fit the cache's {num_kv_heads}/"
-            f"{k_cache.shape[3]}"
-        )
+    _check_attention(q, k_cache, v_cache)
     if block_tables.shape[0] != num_reqs or seq_lens.shape != (num_reqs,):
         raise ValueError(
             f"block_tables must be [{num_reqs}, max_blocks] and seq_lens [{num_reqs}], got "
             f"{tuple(block_tables.shape)}, {tuple(seq_lens.shape)}"
         )
-    if block_size & (block_size - 1) or block_size < 16:
-        raise ValueError(f"block_size must be a power of two >= 16, got {block_size}")
     if blocks_per_split < 1:
         raise ValueError(f"blocks_per_split must be >= 1, got {blocks_per_split}")
     out = torch.empty_like(q)

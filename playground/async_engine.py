@@ -77,6 +77,13 @@ class RequestStream:
         finally:
             self.close()
 
+    async def last(self) -> RequestOutput:
+        """Read to the end; the finished output."""
+        out = None
+        async for out in self:  # noqa: B007 - the last one is the finished output
+            pass
+        return out
+
     def close(self) -> None:
         if not self.finished and not self.closed:
             self.closed = True
@@ -117,11 +124,9 @@ class AsyncEngine:
                 self._fail_all(exc)
                 return
             now = time.monotonic()
-            num_tokens = 0
             for out in outputs:
                 for observer in self.observers:
                     observer.on_output(out, now)
-                num_tokens += sum(len(c.token_ids) for c in out.outputs)
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
                     stream.put(out)
@@ -205,15 +210,6 @@ class AsyncEngine:
             self.abort(request_id)
             raise
         return RequestStream(self, request_id, stream)
-
-    async def generate(self, request_id: str, prompt, params, **kwargs):
-        """add_request, then its outputs: one async iterator for both."""
-        stream = await self.add_request(request_id, prompt, params, **kwargs)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.close()
 
     def abort(self, request_id: str) -> None:
         def abort() -> None:

@@ -16,24 +16,18 @@ class ServerMetrics(OutputObserver):
     def __init__(self):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram(
-            "tandem_time_to_first_token_seconds",
-            "Arrival to first generated token",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+
+        def latency(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, buckets=_LATENCY_BUCKETS, registry=r)
+
+        self.ttft = latency(
+            "tandem_time_to_first_token_seconds", "Arrival to first generated token"
         )
-        self.itl = Histogram(
+        self.itl = latency(
             "tandem_inter_token_latency_seconds",
             "Time per output token after the first (a step that emits k tokens counts k times)",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
         )
-        self.e2e = Histogram(
-            "tandem_e2e_request_latency_seconds",
-            "Arrival to finish",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
+        self.e2e = latency("tandem_e2e_request_latency_seconds", "Arrival to finish")
         self.finished = Counter(
             "tandem_completions_finished",
             "Finished completions (n per request)",

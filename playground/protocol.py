@@ -29,13 +29,11 @@ class APIError(Exception):
         type: str = "invalid_request_error",  # noqa: A002 - OpenAI's field name
     ):
         super().__init__(message)
-        self.message, self.param, self.status, self.code, self.type = (
-            message,
-            param,
-            status,
-            code,
-            type,
-        )
+        self.message = message
+        self.param = param
+        self.status = status
+        self.code = code
+        self.type = type
 
     def body(self) -> dict:
         return {

@@ -12,7 +12,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import suppress
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -156,18 +156,13 @@ def _encode_all(state: ServerState, prompts: list[str | list[int]]) -> list[list
     return [state.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
 
 
-def _check_lengths(state: ServerState, ids: list[list[int]], params, what: str) -> None:
+def _check_max_tokens(state: ServerState, ids: list[list[int]], params, what: str) -> None:
+    """OpenAI refuses a max_tokens past the context (the engine would shorten it); an empty or
+    too long prompt is the engine's own check (LLMEngine._check_fits)."""
     limit = state.max_model_len
     for prompt in ids:
-        if not prompt:
-            raise APIError(f"{what} must contain at least one token", what)
-        if len(prompt) >= limit:
-            raise APIError(
-                f"{what} has {len(prompt)} tokens, this model's context limit is {limit} "
-                "(and at least one token must be generated)",
-                what,
-            )
-        if params.max_tokens is not None and len(prompt) + params.max_tokens > limit:
+        fits = len(prompt) < limit  # a prompt that does not is refused by the engine
+        if fits and params.max_tokens is not None and len(prompt) + params.max_tokens > limit:
             raise APIError(
                 f"max_tokens={params.max_tokens} plus the {len(prompt)} tokens in the {what} "
                 f"exceed this model's context limit of {limit}",
@@ -186,7 +181,7 @@ async def _serve(
     logprobs: int | None,
     what: str,
 ) -> Response:
-    _check_lengths(state, ids, params, what)
+    _check_max_tokens(state, ids, params, what)
     streams = await _add_all(state, ctx, ids, params, lora, body, what)
     if body.get("stream"):
         events = _sse(ctx, streams, params.n, logprobs, protocol.include_usage(body))
@@ -217,23 +212,19 @@ async def _add_all(state, ctx, ids, params, lora, body, what) -> list[RequestStr
         if isinstance(exc, EngineDeadError):
             raise APIError(str(exc), status=503, type="server_error") from None
         if isinstance(exc, ValueError):
-            raise protocol.constraint_error(protocol.from_value_error(exc, what), body) from None
+            error = protocol.constraint_error(protocol.from_value_error(exc, what), body)
+            if error.param == "prompt":  # the engine's word for what chat calls messages
+                error.param = what
+            raise error from None
         raise
     return streams
-
-
-async def _last(stream: RequestStream) -> RequestOutput:
-    out = None
-    async for out in stream:  # noqa: B007 - the last one is the finished output
-        pass
-    return out
 
 
 async def _collect_unless_disconnected(
     request: Request, streams: list[RequestStream]
 ) -> list[RequestOutput] | None:
     """Wait for every request to finish; None (all aborted) if the client goes away first."""
-    tasks = [asyncio.ensure_future(_last(s)) for s in streams]
+    tasks = [asyncio.ensure_future(s.last()) for s in streams]
     try:
         while True:
             done, pending = await asyncio.wait(tasks, timeout=_DISCONNECT_POLL_S)
@@ -319,8 +310,9 @@ async def _sse(
                     continue
                 sent[index] = (len(c.text), len(c.token_ids))
                 completion_tokens[index] = len(c.token_ids)
-                delta = _delta(c, chars, toks)
-                choices.append(protocol.choice(ctx, index, delta, logprobs, delta=True))
+                choices.append(
+                    protocol.choice(ctx, index, c.since(chars, toks), logprobs, delta=True)
+                )
             if choices:
                 yield event(ctx.envelope(choices, chunk=True))
     except (APIError, EngineDeadError, ValueError) as exc:
@@ -332,16 +324,6 @@ async def _sse(
         tail["usage"] = protocol.usage(sum(prompt_tokens.values()), sum(completion_tokens.values()))
         yield event(tail)
     yield "data: [DONE]\n\n"
-
-
-def _delta(c, chars: int, toks: int):
-    return replace(
-        c,
-        text=c.text[chars:],
-        token_ids=c.token_ids[toks:],
-        logprobs=c.logprobs[toks:] if c.logprobs is not None else None,
-        token_kinds=c.token_kinds[toks:],
-    )
 
 
 class BodySizeLimit:

@@ -190,13 +190,10 @@ class Playground:
 
     async def _run_one(self, request_id, ids, params, lora):
         stream = await self.state.engine.add_request(request_id, ids, params, lora_request=lora)
-        final = None
         try:
-            async for out in stream:
-                final = out
+            return await stream.last()
         finally:
             stream.close()
-        return final
 
     # ---- layout -------------------------------------------------------------------------------
     def build(self) -> gr.Blocks:
