@@ -56,21 +56,49 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
     varlen: VarlenBatch | None = None  # set for the Triton backend (then no buckets, prefills)
 
+    def to(self, device: torch.device) -> AttentionMetadata:
+        """Built on the host; a copy on device (itself on CPU)."""
+        if device.type == "cpu":
+            return self
+        return AttentionMetadata(
+            _to(self.slot_mapping, device),
+            [_fields_to(b, device) for b in self.buckets],
+            [_fields_to(p, device) for p in self.prefills],
+            _fields_to(self.varlen, device) if self.varlen is not None else None,
+        )
+
+
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t.to(device, non_blocking=True)
+
+
+def _fields_to(obj, device: torch.device):
+    """A copy of a slots dataclass with its tensors on device."""
+    return type(obj)(
+        *(
+            _to(v, device) if isinstance(v, torch.Tensor) else v
+            for v in (getattr(obj, f) for f in obj.__slots__)
+        )
+    )
+
 
 BACKENDS = ("auto", "torch", "triton")
 
 
-def resolve_backend(name: str, sliding_window: int | None) -> str:
-    """ "auto": Triton where CUDA is, else the torch reference (this engine runs on CPU today,
-    so auto is torch); "triton" on CPU needs TRITON_INTERPRET=1 (triton's interpreter)."""
+def resolve_backend(
+    name: str, sliding_window: int | None, device: torch.device | str = "cpu"
+) -> str:
+    """ "auto": Triton on CUDA, else the torch reference; "triton" on CPU needs
+    TRITON_INTERPRET=1 (triton's interpreter)."""
     import os
 
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
+    on_cuda = torch.device(device).type == "cuda"
     if name == "auto":
-        return "torch"
+        return "triton" if on_cuda and sliding_window is None else "torch"
     if name == "triton":
-        if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
                 "attention_backend='triton' needs a CUDA device or TRITON_INTERPRET=1 (set "
                 "before triton is imported)"

@@ -5,6 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import psutil
+import torch
+
+DTYPES = {
+    "auto": None,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 
 # Drafts per request per step; verification rows are attended in the batched short-query path.
 MAX_SPECULATIVE_TOKENS = 15
@@ -17,8 +25,14 @@ class EngineConfig:
     max_num_seqs: int = 128  # requests running at once
     max_num_batched_tokens: int = 1024  # token budget per step (prefill chunk size)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
-    kv_cache_memory_bytes: int | None = None  # KV budget; default: a fraction of free RAM
-    kv_cache_memory_fraction: float = 0.1
+    kv_cache_memory_bytes: int | None = None  # KV budget; default: a fraction of free memory
+    kv_cache_memory_fraction: float = 0.1  # on CPU: of the RAM available at start
+    gpu_memory_utilization: float = 0.9  # on CUDA: of the GPU memory free after the weights
+    # Where the engine runs: "auto" (CUDA when present, else CPU), "cpu", or "cuda" / "cuda:N";
+    # weights and KV in dtype: "auto" (bfloat16 on CUDA, float32 on CPU), "float32",
+    # "bfloat16" or "float16".
+    device: str = "auto"
+    dtype: str = "auto"
     num_kv_blocks: int | None = None  # exact pool size, overrides the byte budget (tests)
     enable_prefix_caching: bool = True
     # Paged attention: "torch" (the reference, the CPU path), "triton" (kernels/, on CUDA or
@@ -113,11 +127,42 @@ class EngineConfig:
                 f"kv_cache_memory_fraction must be in (0, 0.9], got {self.kv_cache_memory_fraction}"
             )
 
+        if not 0.0 < self.gpu_memory_utilization <= 0.98:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 0.98], got {self.gpu_memory_utilization}"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        device = self.device
+        if device not in ("auto", "cpu") and not (
+            isinstance(device, str) and (device == "cuda" or device.startswith("cuda:"))
+        ):
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} but torch sees no CUDA device")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return DTYPES[self.dtype]
+
     @property
     def spec_method(self) -> str | None:
         return self.speculative_method or ("draft" if self.draft_model else None)
 
     def kv_budget_bytes(self) -> int:
+        """Call after the weights are loaded: on CUDA the budget is a share of what is free."""
         if self.kv_cache_memory_bytes is not None:
             return self.kv_cache_memory_bytes
+        device = self.torch_device
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            return int(free * self.gpu_memory_utilization)
         return int(psutil.virtual_memory().available * self.kv_cache_memory_fraction)

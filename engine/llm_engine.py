@@ -53,7 +53,8 @@ class LLMEngine:
         torch.set_flush_denormal(True)
         path = resolve_model(config.model)
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
-        model, self.model_config, _ = load_model(path)
+        device, dtype = config.torch_device, config.torch_dtype
+        model, self.model_config, _ = load_model(path, device=device, dtype=dtype)
         cfg = self.model_config
         self.max_model_len = min(
             config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
@@ -65,7 +66,10 @@ class LLMEngine:
         draft = None
         if config.spec_method == "draft":
             draft_model, draft_cfg, _ = load_model(
-                resolve_model(config.draft_model), int8=config.draft_quantization == "int8"
+                resolve_model(config.draft_model),
+                int8=config.draft_quantization == "int8",  # CPU float32 only
+                device=device,
+                dtype=dtype,
             )
             if draft_cfg.vocab_size != cfg.vocab_size:
                 raise ValueError(
@@ -73,9 +77,9 @@ class LLMEngine:
                     f"({cfg.vocab_size}); the two models must share a tokenizer"
                 )
             draft = (draft_model, draft_cfg)
-        block_bytes = kv_bytes_per_block(cfg, config.block_size)
+        block_bytes = kv_bytes_per_block(cfg, config.block_size, dtype)
         if draft is not None:  # the draft's KV lives in the same blocks: budget both
-            block_bytes += kv_bytes_per_block(draft[1], config.block_size)
+            block_bytes += kv_bytes_per_block(draft[1], config.block_size, dtype)
         num_blocks = config.num_kv_blocks or max(2, config.kv_budget_bytes() // block_bytes)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -84,22 +88,26 @@ class LLMEngine:
             config.max_num_batched_tokens,
             config.max_loras if config.enable_lora else None,
         )
-        backend = resolve_backend(config.attention_backend, cfg.sliding_window)
+        backend = resolve_backend(config.attention_backend, cfg.sliding_window, device)
         self.runner = ModelRunner(model, cfg, num_blocks, config.block_size, backend)
         self.loras: OrderedDict[str, LoRAAdapter] = OrderedDict()  # loaded, least recent first
         self.draft_loras: OrderedDict[str, LoRAAdapter] = OrderedDict()  # for the draft model
         if config.enable_lora:
-            self.runner.lora_slots = LoRASlots(cfg, config.max_loras, config.max_lora_rank)
+            self.runner.lora_slots = LoRASlots(
+                cfg, config.max_loras, config.max_lora_rank, device, dtype
+            )
         self.runner.generator.manual_seed(config.seed)
         self.draft_runner = None
         self.proposer: Proposer | None = None
         if draft is not None:
-            draft_backend = resolve_backend(config.attention_backend, draft[1].sliding_window)
+            draft_backend = resolve_backend(
+                config.attention_backend, draft[1].sliding_window, device
+            )
             self.draft_runner = ModelRunner(*draft, num_blocks, config.block_size, draft_backend)
             self.draft_runner.lora_of = lambda request: request.draft_lora
             if config.enable_lora:
                 self.draft_runner.lora_slots = LoRASlots(
-                    draft[1], config.max_loras, config.max_lora_rank
+                    draft[1], config.max_loras, config.max_lora_rank, device, dtype
                 )
             self.proposer = DraftModelProposer(self.draft_runner)
         elif config.spec_method == "ngram":

@@ -3,6 +3,11 @@
 Owns the KV tensors. `execute` takes the scheduler's decision, builds the inputs (token ids,
 positions, slot mapping, attention metadata), runs the model, samples the rows that are caught
 up, and returns plain Python results (the one host sync of the step).
+
+Inputs are built on the host and copied to the model's device; the KV cache and the weights live
+there (CUDA: bf16 by default). The sampled rows' logits come back to the host as float32 in one
+copy, and sampling, verification and logprobs run there, the same code on every device: per-
+request seeds give the same draws on CPU and GPU.
 """
 
 from __future__ import annotations
@@ -70,9 +75,18 @@ class ModelRunner:
         self.cfg = cfg
         self.block_size = block_size
         self.attention_backend = attention_backend  # "torch" (reference) or "triton"
+        weight = model.embed_tokens.weight  # (packed CPU projections keep no dense weight)
+        self.device, self.dtype = weight.device, weight.dtype
         # [num_layers, 2 (K, V), Hkv, num_blocks, block_size, D]
         self.kv_caches = torch.zeros(
-            cfg.num_layers, 2, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim
+            cfg.num_layers,
+            2,
+            cfg.num_kv_heads,
+            num_blocks,
+            block_size,
+            cfg.head_dim,
+            dtype=self.dtype,
+            device=self.device,
         )
         self.generator = torch.Generator().manual_seed(0)
         # Constrained decoding: masker(logits [R, V], [(request, drafts before row i)]) in place.
@@ -81,7 +95,11 @@ class ModelRunner:
         self.lora_of = lambda request: request.lora  # which of a request's adapters runs here
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        for src, dst in copies:
+        if copies:
+            src, dst = (
+                self._to_device(torch.tensor(c, dtype=torch.long))
+                for c in zip(*copies, strict=True)
+            )
             self.kv_caches[:, :, :, dst] = self.kv_caches[:, :, :, src]
 
     @torch.inference_mode()
@@ -108,13 +126,24 @@ class ModelRunner:
             self.cfg.sliding_window,
             self.attention_backend,
         )
+        lora = self._lora_batch(items)
         return self.model(
-            torch.tensor(input_ids, dtype=torch.long),
-            torch.tensor(positions, dtype=torch.long),
+            self._to_device(torch.tensor(input_ids, dtype=torch.long)),
+            self._to_device(torch.tensor(positions, dtype=torch.long)),
             self.kv_caches,
-            meta,
-            self._lora_batch(items),
+            meta.to(self.device),
+            lora.to(self.device) if lora is not None else None,
         )
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
+
+    def logits(self, hidden: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
+        """[len(rows) or M, vocab] float32 on the host: the LM head over these rows of hidden."""
+        if rows is not None:
+            hidden = hidden[self._to_device(torch.tensor(rows, dtype=torch.long))]
+        logits = self.model.compute_logits(hidden)[:, : self.cfg.vocab_size]
+        return logits.float().cpu()
 
     def _lora_batch(self, items: list[ForwardItem]) -> LoRABatch | None:
         if self.lora_slots is None:
@@ -127,7 +156,7 @@ class ModelRunner:
         token_slots = []
         for item, lora in zip(items, loras, strict=True):
             token_slots += [slot_of[id(lora)] if lora else 0] * len(item.token_ids)
-        return LoRABatch.build(self.lora_slots, token_slots)
+        return LoRABatch.build(self.lora_slots, token_slots, self.attention_backend)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, tables: dict[Request, list[int]]) -> StepResult:
@@ -175,8 +204,7 @@ class ModelRunner:
                     mask_rows.append((member, drafts[:j]))
         if not rows:
             return
-        logits = self.model.compute_logits(hidden[torch.tensor(rows)])  # [R, V]
-        logits = logits[:, : self.cfg.vocab_size]
+        logits = self.logits(hidden, rows)  # [R, V]
         if self.logits_masker is not None:
             self.logits_masker(logits, mask_rows)
         batch = SamplingBatch.from_requests(views, self.cfg.vocab_size)
@@ -215,7 +243,7 @@ class ModelRunner:
                 last = min(start + n, request.num_prompt_tokens - 1)
                 if last > first:
                     h = hidden[start_row + first - start : start_row + last - start]
-                    lp = torch.log_softmax(self.model.compute_logits(h), dim=-1)
+                    lp = torch.log_softmax(self.logits(h), dim=-1)
                     targets = torch.tensor(request.token_ids[first + 1 : last + 1])
                     chosen, rank, values, ids = top_logprobs(lp, targets, num_top)
                     result.prompt_logprobs[request] = [

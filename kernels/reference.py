@@ -51,8 +51,9 @@ def decode_attention(
     q_t = q.view(num_reqs, num_queries, num_kv_heads, group, head_dim).permute(2, 0, 4, 3, 1)
     q_t = q_t.reshape(num_kv_heads * num_reqs, head_dim, group * num_queries) * scale
     scores = torch.bmm(k, q_t).view(num_kv_heads, num_reqs, max_len, group, num_queries)
-    scores = scores + key_bias[None, :, :, None, :]
-    probs = scores.softmax(dim=2).view(num_kv_heads * num_reqs, max_len, group * num_queries)
+    scores = scores.float() + key_bias[None, :, :, None, :]  # softmax in float32 (no-op on fp32)
+    probs = scores.softmax(dim=2).to(v.dtype)
+    probs = probs.view(num_kv_heads * num_reqs, max_len, group * num_queries)
     out = torch.bmm(probs.transpose(1, 2), v)  # [Hkv * B, group * Q, D]
     return (
         out.view(num_kv_heads, num_reqs, group, num_queries, head_dim)
@@ -86,11 +87,11 @@ def prefill_attention(
 
 
 def causal_mask(
-    context_len: int, num_tokens: int, sliding_window: int | None = None
+    context_len: int, num_tokens: int, sliding_window: int | None = None, device=None
 ) -> torch.Tensor:  # [num_tokens, context_len + num_tokens] bool
     """Query i (absolute position context_len + i) sees keys at positions <= its own."""
-    q_pos = torch.arange(context_len, context_len + num_tokens)[:, None]
-    k_pos = torch.arange(context_len + num_tokens)[None, :]
+    q_pos = torch.arange(context_len, context_len + num_tokens, device=device)[:, None]
+    k_pos = torch.arange(context_len + num_tokens, device=device)[None, :]
     mask = k_pos <= q_pos
     if sliding_window is not None:
         mask &= k_pos > q_pos - sliding_window
@@ -116,6 +117,39 @@ def varlen_paged_attention(
         if hi == lo:
             continue
         blocks = block_tables[b, : -(-seq_len // block_size)].long()
-        mask = causal_mask(seq_len - (hi - lo), hi - lo)
+        mask = causal_mask(seq_len - (hi - lo), hi - lo, device=q.device)
         out[lo:hi] = prefill_attention(q[lo:hi], k_cache, v_cache, blocks, seq_len, mask, scale)
     return out
+
+
+def lora_shrink(
+    x: torch.Tensor,  # [T, size_in]
+    a_stack: torch.Tensor,  # [S + 1, size_in, R]
+    rows: torch.Tensor,  # [n] int64: rows of x with an adapter, grouped by slot
+    seg_starts: list[int],  # [G + 1]
+    seg_slots: list[int],  # [G]
+) -> torch.Tensor:  # [n, R] float32
+    """Each segment's rows of x times its adapter's A (the Triton SGMV shrink's oracle)."""
+    out = x.new_zeros(rows.numel(), a_stack.shape[2], dtype=torch.float32)
+    for g, slot in enumerate(seg_slots):
+        lo, hi = seg_starts[g], seg_starts[g + 1]
+        out[lo:hi] = x[rows[lo:hi]].float() @ a_stack[slot].float()
+    return out
+
+
+def lora_expand(
+    shrunk: torch.Tensor,  # [n, R] float32
+    b_stack: torch.Tensor,  # [S + 1, R, size_out]
+    y: torch.Tensor,  # [T, width], updated in place in columns [y_offset, y_offset + size_out)
+    y_offset: int,
+    rows: torch.Tensor,
+    seg_starts: list[int],
+    seg_slots: list[int],
+) -> None:
+    """y[rows, offset:offset + out] += shrunk @ B per segment (the Triton SGMV expand's oracle)."""
+    size_out = b_stack.shape[2]
+    for g, slot in enumerate(seg_slots):
+        lo, hi = seg_starts[g], seg_starts[g + 1]
+        delta = shrunk[lo:hi].to(b_stack.dtype).float() @ b_stack[slot].float()
+        cols = y[:, y_offset : y_offset + size_out]
+        cols[rows[lo:hi]] = (cols[rows[lo:hi]].float() + delta).to(y.dtype)

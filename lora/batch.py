@@ -13,6 +13,9 @@ segment of rows; the rows of adapters with few (decodes) are laid out slot-major
 per slot, in] (zero-padded), and run as one batched matmul against the stacks' own slot range
 (a view: no weight is copied, each resident adapter's A and B is read once per step). Rows
 without an adapter are skipped.
+
+With the Triton attention backend the update runs as the SGMV kernels of kernels/triton_lora
+instead: rows listed grouped by slot, one shrink and one expand launch per projection.
 """
 
 from __future__ import annotations
@@ -37,8 +40,16 @@ GROUPS = {
 
 
 class LoRASlots:
-    def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_loras: int,
+        max_rank: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
         self.shapes = projection_shapes(cfg)
+        self.device, self.dtype = torch.device(device), dtype
         self.max_loras, self.max_rank = max_loras, max_rank
         self.a: dict[tuple[int, str], torch.Tensor] = {}  # [S + 1, in, R]
         self.b: dict[tuple[int, str], torch.Tensor] = {}  # [S + 1, R, out]
@@ -88,8 +99,9 @@ class LoRASlots:
             key = (layer, proj)
             if key not in self.a:
                 size_in, size_out = self.shapes[proj]
-                self.a[key] = torch.zeros(self.max_loras + 1, size_in, self.max_rank)
-                self.b[key] = torch.zeros(self.max_loras + 1, self.max_rank, size_out)
+                stack = dict(dtype=self.dtype, device=self.device)
+                self.a[key] = torch.zeros(self.max_loras + 1, size_in, self.max_rank, **stack)
+                self.b[key] = torch.zeros(self.max_loras + 1, self.max_rank, size_out, **stack)
             r = a.shape[1]
             self.a[key][slot, :, :r] = a
             self.b[key][slot, :r, :] = b
@@ -99,6 +111,35 @@ class LoRASlots:
 
 # An adapter with more than this many rows in a step takes the segment path.
 MAX_PACKED_ROWS = 8
+
+
+@dataclass
+class SlotSegments:
+    """The rows with an adapter grouped by slot, as the Triton SGMV kernels take them."""
+
+    rows: torch.Tensor  # [n] int32 token rows, segment after segment
+    seg_starts: torch.Tensor  # [G + 1] int32
+    seg_slots: torch.Tensor  # [G] int32
+    max_seg_len: int
+
+    def to(self, device: torch.device) -> SlotSegments:
+        move = [
+            t.to(device, non_blocking=True) for t in (self.rows, self.seg_starts, self.seg_slots)
+        ]
+        return SlotSegments(*move, self.max_seg_len)
+
+    @classmethod
+    def build(cls, by_slot: dict[int, list[int]]) -> SlotSegments:
+        order = sorted(by_slot)
+        starts = [0]
+        for slot in order:
+            starts.append(starts[-1] + len(by_slot[slot]))
+        return cls(
+            torch.tensor([r for slot in order for r in by_slot[slot]], dtype=torch.int32),
+            torch.tensor(starts, dtype=torch.int32),
+            torch.tensor(order, dtype=torch.int32),
+            max(len(m) for m in by_slot.values()),
+        )
 
 
 @dataclass
@@ -112,9 +153,30 @@ class LoRABatch:
     packed: torch.Tensor | None  # [n] int64 index into [(hi - lo) * width]
     slot_range: tuple[int, int] = (0, 0)  # lo, hi
     width: int = 0  # rows per slot in the packed layout
+    kernel_segments: SlotSegments | None = None  # set for the Triton path (then nothing else)
+
+    def to(self, device: torch.device) -> LoRABatch:
+        """Built on the host; a copy with its index tensors on device (itself on CPU)."""
+        if device.type == "cpu":
+            return self
+
+        def move(t):
+            return t.to(device, non_blocking=True) if t is not None else None
+
+        return LoRABatch(
+            self.slots,
+            [(slot, move(rows)) for slot, rows in self.segments],
+            move(self.rows),
+            move(self.packed),
+            self.slot_range,
+            self.width,
+            self.kernel_segments.to(device) if self.kernel_segments is not None else None,
+        )
 
     @classmethod
-    def build(cls, slots: LoRASlots, token_slots: list[int]) -> LoRABatch | None:
+    def build(
+        cls, slots: LoRASlots, token_slots: list[int], backend: str = "torch"
+    ) -> LoRABatch | None:
         """token_slots: a slot per token row (0 = no adapter); None when no row has one."""
         by_slot: dict[int, list[int]] = {}
         for row, slot in enumerate(token_slots):
@@ -122,6 +184,8 @@ class LoRABatch:
                 by_slot.setdefault(slot, []).append(row)
         if not by_slot:
             return None
+        if backend == "triton":
+            return cls(slots, [], None, None, kernel_segments=SlotSegments.build(by_slot))
         segments, few = [], {}
         for slot, members in by_slot.items():
             if len(members) > MAX_PACKED_ROWS:
@@ -145,6 +209,9 @@ class LoRABatch:
 
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """y [T, sum of outs] += the group's LoRA updates of x [T, in], in place."""
+        if self.kernel_segments is not None:
+            self._apply_kernels(layer, group, x, y)
+            return
         xs = [x.index_select(0, rows) for _, rows in self.segments]  # [m, in] each
         lo, hi = self.slot_range
         xp = None
@@ -165,3 +232,17 @@ class LoRABatch:
                     delta = torch.bmm(shrunk, b[lo:hi]).view(-1, size_out)  # [.., out]
                     out.index_add_(0, self.rows, delta.index_select(0, self.packed))
             offset += size_out
+
+    def _apply_kernels(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        from kernels.triton_lora import lora_expand, lora_shrink
+
+        seg = self.kernel_segments
+        offset = 0
+        for proj in GROUPS[group]:
+            a, b = self.slots.a.get((layer, proj)), self.slots.b.get((layer, proj))
+            if a is not None:
+                shrunk = lora_shrink(x, a, seg.rows, seg.seg_starts, seg.seg_slots, seg.max_seg_len)
+                lora_expand(
+                    shrunk, b, y, offset, seg.rows, seg.seg_starts, seg.seg_slots, seg.max_seg_len
+                )
+            offset += self.slots.shapes[proj][1]

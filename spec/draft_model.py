@@ -50,7 +50,7 @@ class DraftModelProposer:
             request.num_draft_computed = start + len(tokens)
         t0 = time.perf_counter()
         hidden = self.runner.forward(items, tables)
-        self._extend(hidden[torch.tensor(last_rows)], [r for r, _ in wanting])
+        self._extend(self.runner.logits(hidden, last_rows), [r for r, _ in wanting])
         self.pass_times.append((row, time.perf_counter() - t0))
         for step in range(1, max(k for _, k in wanting)):
             t0 = time.perf_counter()
@@ -62,13 +62,12 @@ class DraftModelProposer:
             hidden = self.runner.forward(items, tables)
             for r in active:
                 r.num_draft_computed += 1
-            self._extend(hidden, active)
+            self._extend(self.runner.logits(hidden), active)
             self.pass_times.append((len(active), time.perf_counter() - t0))
 
-    def _extend(self, hidden: torch.Tensor, requests: list[Request]) -> None:
-        """Append each request's next greedy draft, under its own logits pipeline."""
-        model = self.runner.model
-        logits = model.compute_logits(hidden)[:, : self.runner.cfg.vocab_size]
+    def _extend(self, logits: torch.Tensor, requests: list[Request]) -> None:
+        """Append each request's next greedy draft (logits [R, V] on the host), under its own
+        logits pipeline."""
         if self.logits_masker is not None:  # propose only what the grammar allows
             self.logits_masker(logits, [(r, r.spec_token_ids) for r in requests])
         views = [RequestAt(r, r.spec_token_ids) for r in requests]

@@ -338,6 +338,29 @@ def test_speculation_with_adapters_equals_peft(tiny_llama, adapters, hf_referenc
         )
 
 
+def test_triton_kernels_with_adapters_equal_peft(tiny_llama, adapters, hf_reference):
+    """The Triton backend (attention and the SGMV LoRA kernels; the interpreter on CPU) with
+    n-gram verification: prefill segments, 1 + k rows per request, rows without an adapter."""
+    llm = LLM(
+        str(tiny_llama),
+        num_kv_blocks=256,
+        enable_lora=True,
+        max_loras=4,
+        speculative_method="ngram",
+        adaptive_speculation=False,
+        num_speculative_tokens=3,
+        attention_backend="triton",
+    )
+    names = mixed_batch(adapters)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    outs = llm.generate(
+        prompts(12), params, use_tqdm=False, lora_request=lora_requests(adapters, names)
+    )
+    for i, (name, out) in enumerate(zip(names, outs, strict=True)):
+        assert out.outputs[0].token_ids == hf_reference[name][i], (i, name)
+    assert llm.engine.snapshot()["speculation"]["num_drafts"] > 0
+
+
 def test_prefix_cache_keys_include_the_draft_adapter(tiny_llama, adapters):
     """Blocks also hold the draft model's KV: a request whose draft adapter differs shares
     no block, one with the same target and draft adapters does."""

@@ -83,13 +83,19 @@ def _fused_state(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, tor
 
 
 def load_model(
-    path: str | Path, max_len: int | None = None, pack_weights: bool = True, int8: bool = False
+    path: str | Path,
+    max_len: int | None = None,
+    pack_weights: bool = True,
+    int8: bool = False,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ):
     """Returns (model, ModelConfig, hf_config). max_len bounds the RoPE table.
 
     pack_weights: on CPU, hand the linear layers' weights to oneDNN's blocked layout (see
     `Linear.pack`); False keeps plain dense weights. int8: int8 projections and LM head instead
     (lossy: for draft models only, see engine.models.quant), where the backend supports it.
+    Both are CPU float32 layouts: elsewhere (CUDA, bf16) the weights stay dense, in dtype.
     """
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -106,6 +112,10 @@ def load_model(
             f"weights do not match the model: missing={missing} unexpected={unexpected}"
         )
     model.eval().requires_grad_(False)
+    device = torch.device(device)
+    if device.type != "cpu" or dtype != torch.float32:
+        # The RoPE tables go to dtype too, as HF casts cos/sin to the activations' dtype.
+        return model.to(device=device, dtype=dtype), cfg, hf_config
     if int8 and int8_linear_available():
         model.quantize_int8()
     elif pack_weights and onednn_linear_available():
