@@ -1,0 +1,347 @@
+"""GPU benchmark: the Triton kernels and the engine on CUDA, bf16, against the GPU's own copy
+bandwidth and HF transformers on the same GPU and workload.
+
+    python -m bench.gpu [--parts attention,lora,decode,sweep] [--models smollm2,1b] [--quick]
+
+Random-weight Llama models, saved as HF directories (safetensors, a word-level tokenizer over
+the ids) in a temporary folder: SmolLM2-135M's shapes and a ~1B config (Llama-3.2-1B's shapes).
+Timings are CUDA-event medians (triton.testing.do_bench) for kernels and wall clock after a
+synchronize for whole runs; model loading and warm-up are excluded.
+
+- copy: device-to-device copy of 1 GiB, bandwidth = bytes read + written / time (the roofline).
+- attention: `paged_decode_attention` at 32 requests x contexts 1k..32k (1B's heads: 32 query,
+  8 KV, dim 64; scattered blocks of 16), bandwidth = K/V bytes read / time, against copy.
+- lora: one decode step's projections of every layer (1B) at 64 rows, base only vs. base plus the
+  SGMV kernels (lora.batch.LoRABatch on the Triton path) with 8 distinct rank-16 adapters on all
+  seven projections, 8 rows each.
+- decode: the engine at batch 1 (prompt 512, 128 new tokens): decode tokens/s against the
+  roofline (weights + the KV read per step, over the copy bandwidth). CUDA graphs: not yet.
+- sweep: the engine at batch 1..128 (prompt 128, 128 new tokens, EOS ignored, greedy) against
+  HF `generate` one request at a time (sequential) and in static batches of the same size.
+
+Last line: RESULT decode_attention_bw_ratio=.. decode_roofline_fraction_1b=..
+throughput_x_hf_seq=.. lora_overhead_8=..
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+MODELS = {
+    "smollm2": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+        rope_theta=100000.0,
+    ),
+    "1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+    ),
+}
+
+
+def do_bench(fn) -> float:
+    """Median milliseconds over CUDA events, L2 flushed between calls."""
+    from triton.testing import do_bench as triton_bench
+
+    return triton_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a device-to-device copy, counting bytes read and written."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src))
+    return 2 * src.numel() / (ms * 1e-3)
+
+
+def make_model_dir(root: Path, name: str) -> Path:
+    """A random-weight Llama in bf16 with a word-level tokenizer ("<i>" for every id)."""
+    from tokenizers import Tokenizer, models
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+    path = root / name
+    shapes = MODELS[name]
+    config = LlamaConfig(
+        **shapes,
+        head_dim=64,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    vocab = {f"<{i}>": i for i in range(shapes["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<2>", bos_token="<1>").save_pretrained(
+        path
+    )
+    del model
+    torch.cuda.empty_cache()
+    return path
+
+
+def param_bytes(path: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for f in path.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            for key in st.keys():  # noqa: SIM118 (safe_open is no dict)
+                t = st.get_slice(key)
+                n = 1
+                for d in t.get_shape():
+                    n *= d
+                total += 2 * n
+    return total
+
+
+def bench_attention(copy_bw: float, quick: bool) -> dict:
+    from kernels.triton_attention import paged_decode_attention
+
+    num_reqs, hq, hkv, dim, bs = 32, 32, 8, 64, 16
+    out = {}
+    for ctx in [1024, 4096, 16384] + ([] if quick else [32768]):
+        blocks_per_req = ctx // bs
+        num_blocks = num_reqs * blocks_per_req + 1
+        k_cache = torch.randn(hkv, num_blocks, bs, dim, device="cuda", dtype=torch.bfloat16)
+        v_cache = torch.randn_like(k_cache)
+        perm = torch.randperm(num_blocks - 1, device="cuda") + 1
+        tables = perm.view(num_reqs, blocks_per_req).to(torch.int32)
+        seq_lens = torch.full((num_reqs,), ctx, dtype=torch.int32, device="cuda")
+        q = torch.randn(num_reqs, hq, dim, device="cuda", dtype=torch.bfloat16)
+        args = (q, k_cache, v_cache, tables, seq_lens, 0.125)
+        ms = do_bench(lambda args=args: paged_decode_attention(*args))
+        kv_bytes = 2 * num_reqs * ctx * hkv * dim * 2
+        out[ctx] = {"ms": ms, "bandwidth_gbs": kv_bytes / ms / 1e6}
+        out[ctx]["fraction_of_copy"] = out[ctx]["bandwidth_gbs"] * 1e9 / copy_bw
+        print(
+            f"attention ctx={ctx}: {ms:.3f} ms, {out[ctx]['bandwidth_gbs']:.0f} GB/s, "
+            f"{out[ctx]['fraction_of_copy']:.2f} of copy"
+        )
+    return out
+
+
+def bench_lora(model_dir: Path) -> dict:
+    """One decode step's projections at 64 rows: base vs base + 8 adapters via the kernels."""
+    from engine.models.loader import load_model
+    from lora.adapter import LoRAAdapter, projection_shapes
+    from lora.batch import GROUPS, LoRABatch, LoRASlots
+
+    model, cfg, _ = load_model(model_dir, device="cuda", dtype=torch.bfloat16)
+    rank, rows = 16, 64
+    slots = LoRASlots(cfg, max_loras=8, max_rank=rank, device="cuda", dtype=torch.bfloat16)
+    shapes = projection_shapes(cfg)
+    for i in range(8):
+        g = torch.Generator().manual_seed(i)
+        weights = {
+            (layer, proj): (
+                torch.randn(size_in, rank, generator=g) * 0.01,
+                torch.randn(rank, size_out, generator=g) * 0.01,
+            )
+            for layer in range(cfg.num_layers)
+            for proj, (size_in, size_out) in shapes.items()
+        }
+        adapter = LoRAAdapter(f"a{i}", "", str(i), rank, weights)
+        slots.activate([adapter])
+    batch = LoRABatch.build(slots, [1 + r // 8 for r in range(rows)], "triton").to(
+        torch.device("cuda")
+    )
+    x = {
+        "qkv": torch.randn(rows, cfg.hidden_size, device="cuda", dtype=torch.bfloat16),
+        "o": torch.randn(rows, cfg.num_heads * cfg.head_dim, device="cuda", dtype=torch.bfloat16),
+        "gate_up": torch.randn(rows, cfg.hidden_size, device="cuda", dtype=torch.bfloat16),
+        "down": torch.randn(rows, cfg.intermediate_size, device="cuda", dtype=torch.bfloat16),
+    }
+    linears = {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj", "down": "down_proj"}
+
+    def step(with_lora: bool):
+        for i, layer in enumerate(model.layers):
+            for group in GROUPS:
+                y = getattr(layer, linears[group])(x[group])
+                if with_lora:
+                    batch.apply(i, group, x[group], y)
+
+    base, lora = do_bench(lambda: step(False)), do_bench(lambda: step(True))
+    print(f"lora: base {base:.3f} ms, 8 adapters {lora:.3f} ms, overhead {lora / base - 1:.2%}")
+    return {"base_ms": base, "lora_ms": lora, "overhead": lora / base - 1}
+
+
+def engine_run(model_dir: Path, prompts, max_tokens: int, max_num_seqs: int):
+    """(seconds, output tokens, decode-only seconds, decode steps) for one engine run."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(
+        str(model_dir),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max(2048, max_num_seqs),
+        enable_prefix_caching=False,
+    )
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    engine = llm.engine
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    decode_s, decode_steps, tokens = 0.0, 0, 0
+    sched = engine.scheduler
+    while engine.has_unfinished_requests():
+        s0 = time.perf_counter()
+        # Decode-only: nobody waits and every running request has one token to compute.
+        mixed = bool(sched.waiting) or any(
+            r.num_tokens - r.num_computed_tokens > 1 for r in sched.running
+        )
+        outs = engine.step()
+        if not mixed:
+            decode_s, decode_steps = decode_s + time.perf_counter() - s0, decode_steps + 1
+        tokens += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    del llm, engine
+    torch.cuda.empty_cache()
+    return seconds, tokens, decode_s, decode_steps
+
+
+def bench_decode(model_dir: Path, name: str, copy_bw: float) -> dict:
+    prompt_len, new = 512, 128
+    prompt = [[(7 * i) % 1000 + 10 for i in range(prompt_len)]]
+    seconds, tokens, decode_s, steps = engine_run(model_dir, prompt, new, 1)
+    shapes = MODELS[name]
+    kv_per_token = shapes["num_hidden_layers"] * 2 * shapes["num_key_value_heads"] * 64 * 2
+    weights = param_bytes(model_dir)
+    mean_ctx = prompt_len + new / 2
+    roofline = copy_bw / (weights + kv_per_token * mean_ctx)  # tokens/s
+    tok_s = steps / decode_s if steps else float("nan")
+    print(
+        f"decode {name}: batch 1, {tok_s:.1f} tok/s over {steps} decode steps; roofline "
+        f"{roofline:.0f} tok/s ({weights / 1e9:.2f} GB weights); {tok_s / roofline:.1%}"
+    )
+    return {"tok_s": tok_s, "roofline_tok_s": roofline, "fraction": tok_s / roofline}
+
+
+def hf_generate(model, prompts, max_tokens: int, batch: int) -> tuple[float, int]:
+    """HF generate in batches of `batch` (equal prompt lengths: no padding); (seconds, tokens)."""
+    vocab = model.config.vocab_size
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    tokens = 0
+    for i in range(0, len(prompts), batch):
+        ids = torch.tensor(prompts[i : i + batch], device="cuda")
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=vocab,  # unreachable: exactly max_tokens each
+            pad_token_id=0,
+        )
+        tokens += (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, tokens
+
+
+def bench_sweep(model_dir: Path, name: str, quick: bool) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    prompt_len, new = 128, 128
+    batches = [1, 8, 32] + ([] if quick else [128])
+    prompts = [
+        [(31 * i + 7 * j) % 5000 + 10 for j in range(prompt_len)] for i in range(max(batches))
+    ]
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).cuda().eval()
+    hf_generate(hf, prompts[:1], 8, 1)  # warm-up
+    seq_s, seq_tok = hf_generate(hf, prompts[:4], new, 1)
+    hf_seq = seq_tok / seq_s
+    rows = {}
+    for b in batches:
+        st_s, st_tok = hf_generate(hf, prompts[:b], new, b)
+        rows[b] = {"hf_static_tok_s": st_tok / st_s}
+    del hf
+    torch.cuda.empty_cache()
+    for b in batches:
+        seconds, tokens, _, _ = engine_run(model_dir, prompts[:b], new, b)
+        rows[b]["tandem_tok_s"] = tokens / seconds
+        rows[b]["x_hf_seq"] = rows[b]["tandem_tok_s"] / hf_seq
+        rows[b]["x_hf_static"] = rows[b]["tandem_tok_s"] / rows[b]["hf_static_tok_s"]
+        print(
+            f"sweep {name} batch {b}: tandem {rows[b]['tandem_tok_s']:.0f} tok/s, HF static "
+            f"{rows[b]['hf_static_tok_s']:.0f}, HF sequential {hf_seq:.0f}: "
+            f"{rows[b]['x_hf_seq']:.1f}x seq, {rows[b]['x_hf_static']:.2f}x static"
+        )
+    return {"hf_seq_tok_s": hf_seq, "batches": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--parts", default="attention,lora,decode,sweep")
+    ap.add_argument("--models", default="smollm2,1b")
+    ap.add_argument("--quick", action="store_true", help="fewer contexts and batch sizes")
+    ap.add_argument("--json", help="also write every figure to this file")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.gpu needs a CUDA device")
+    import transformers
+    import triton
+
+    parts, names = args.parts.split(","), args.models.split(",")
+    print(
+        f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
+        f"{triton.__version__}, transformers {transformers.__version__}, bf16"
+    )
+    results: dict = {"device": torch.cuda.get_device_name()}
+    copy_bw = copy_bandwidth()
+    results["copy_gbs"] = copy_bw / 1e9
+    print(f"copy bandwidth: {copy_bw / 1e9:.0f} GB/s (read + write)")
+    if "attention" in parts:
+        results["attention"] = bench_attention(copy_bw, args.quick)
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = {name: make_model_dir(Path(tmp), name) for name in names}
+        if "lora" in parts and "1b" in dirs:
+            results["lora"] = bench_lora(dirs["1b"])
+        for name in names:
+            if "decode" in parts:
+                results[f"decode_{name}"] = bench_decode(dirs[name], name, copy_bw)
+            if "sweep" in parts:
+                results[f"sweep_{name}"] = bench_sweep(dirs[name], name, args.quick)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+
+    def fmt(v):
+        return "n/a" if v is None else f"{v:.3f}"
+
+    att = results.get("attention")
+    longest = att[max(att)]["fraction_of_copy"] if att else None
+    dec = results.get("decode_1b", {}).get("fraction")
+    sweeps = [results[k] for k in results if k.startswith("sweep_")]
+    best_x = max((r["x_hf_seq"] for s in sweeps for r in s["batches"].values()), default=None)
+    lora = results.get("lora", {}).get("overhead")
+    print(
+        f"RESULT decode_attention_bw_ratio={fmt(longest)} decode_roofline_fraction_1b={fmt(dec)} "
+        f"throughput_x_hf_seq={fmt(best_x)} lora_overhead_8={fmt(lora)}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
