@@ -10,7 +10,13 @@ chunks (the engine's token budget). The decode attention floor is the KV cache r
 step (the sum over steps and running requests of context length x K/V bytes per token) at the
 measured single-thread read bandwidth. Everything else (attention arithmetic, prefill attention,
 norms, RoPE, activations, sampling, Python) counts as zero, so the real floor is higher.
-Last line: RESULT floor_seconds=.. max_x_hf_seq=..
+
+A second floor replaces that ideal KV read with the engine's own pure-torch decode attention
+(engine.attention.paged_attention: K/V gathered into a copy, batched matmuls, softmax; requests
+bucketed by context length) timed for one layer at every decode step's contexts, times the
+layers: the least any engine whose CPU attention is the torch reference can spend.
+Last line: RESULT floor_seconds=.. max_x_hf_seq=.. torch_attention_floor_seconds=..
+max_x_hf_seq_torch_attention=..
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import time
 import torch
 
 from bench.workload import make_workload
+from engine.attention import build_metadata, paged_attention
 from engine.models.loader import load_model
 from engine.models.registry import resolve_model
 
@@ -42,6 +49,39 @@ def best_seconds(fn, repeats: int) -> float:
         fn()
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def torch_decode_attention_seconds(cfg, contexts_per_step: list[list[int]]) -> float:
+    """One layer of the engine's torch decode attention at each step's contexts, x layers."""
+    block_size = 16
+    longest = [0] * len(contexts_per_step[0])  # running sets are prefixes of the first
+    for contexts in contexts_per_step:
+        for i, c in enumerate(contexts):
+            longest[i] = max(longest[i], c)
+    blocks_per_req = [-(-n // block_size) for n in longest]
+    tables, next_block = [], 1  # block 0 is the null block
+    for n in blocks_per_req:
+        tables.append(list(range(next_block, next_block + n)))
+        next_block += n
+    shape = (cfg.num_kv_heads, next_block, block_size, cfg.head_dim)
+    k_cache, v_cache = torch.randn(shape), torch.randn(shape)
+    total = 0.0
+    for contexts in contexts_per_step:  # running requests' lengths after this step
+        n = len(contexts)
+        slots = torch.tensor(
+            [
+                tables[i][(c - 1) // block_size] * block_size + (c - 1) % block_size
+                for i, c in enumerate(contexts)
+            ]
+        )
+        meta = build_metadata(contexts, [1] * n, tables[:n], slots, block_size, None)
+        q = torch.randn(n, cfg.num_heads, cfg.head_dim)
+        kv = torch.randn(n, cfg.num_kv_heads, cfg.head_dim)
+        total += best_seconds(
+            lambda q=q, kv=kv, meta=meta: paged_attention(q, kv, kv, k_cache, v_cache, meta, 0.125),
+            2,
+        )
+    return total * cfg.num_layers
 
 
 @torch.inference_mode()
@@ -92,6 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = x.numel() * 4 / best_seconds(x.sum, 10)
     kv_read = contexts * kv_bytes_per_token / bandwidth
     floor = prefill + decode_proj + decode_head + kv_read
+    # Requests sorted longest output first, so step t's running set is a prefix.
+    order = sorted(range(len(wl.prompts)), key=lambda i: -wl.out_lens[i])
+    steps = [
+        [len(wl.prompts[i]) + t for i in order if wl.out_lens[i] > t]
+        for t in range(1, max(wl.out_lens))
+    ]
+    torch_attention = torch_decode_attention_seconds(cfg, steps)
+    torch_floor = floor - kv_read + torch_attention
     budget = args.hf_seq_seconds / 10
     print(f"# workload: {prompt_tokens} prompt tokens, {sum(wl.out_lens)} output tokens")
     print(f"prefill projections ({args.token_budget}-row chunks): {prefill:.1f} s")
@@ -106,7 +154,15 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"floor {floor:.1f} s; 10x HF sequential ({args.hf_seq_seconds:.1f} s) needs {budget:.1f} s"
     )
-    print(f"RESULT floor_seconds={floor:.1f} max_x_hf_seq={args.hf_seq_seconds / floor:.2f}")
+    print(
+        f"decode attention, the engine's torch op at each step's contexts: {torch_attention:.1f} s"
+    )
+    print(f"floor with the torch attention {torch_floor:.1f} s")
+    print(
+        f"RESULT floor_seconds={floor:.1f} max_x_hf_seq={args.hf_seq_seconds / floor:.2f} "
+        f"torch_attention_floor_seconds={torch_floor:.1f} "
+        f"max_x_hf_seq_torch_attention={args.hf_seq_seconds / torch_floor:.2f}"
+    )
     return 0
 
 
