@@ -39,6 +39,7 @@ class RequestGroup:
         self.requests = requests
         self.detokenizers: list[IncrementalDetokenizer] = detoks
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
+        self.error: str | None = None  # why it ended, when one of its requests failed
 
     @property
     def finished(self) -> bool:
@@ -124,6 +125,7 @@ class LLMEngine:
         self.groups: dict[str, RequestGroup] = {}
         self.num_steps = 0
         self.num_generated_tokens = 0
+        self.num_request_errors = 0  # groups ended by a failure of their own (Request.fail)
 
     # ---- requests in -------------------------------------------------------------------
     def add_request(
@@ -349,8 +351,29 @@ class LLMEngine:
                     self.kv.mark_draft_computed(request)
             self.kv.cache_computed_blocks(request)
         touched = self._process_samples(result)
+        for group in self._end_failed([*sched.requests, *self.scheduler.running]):
+            if group not in touched:
+                touched.append(group)
         self.num_steps += 1
         return [self._make_output(g) for g in touched]
+
+    def _end_failed(self, requests: list[Request]) -> list[RequestGroup]:
+        """End the group of every request whose processing failed this step (Request.fail):
+        all its completions finish with "error", its blocks and matchers are released."""
+        ended = []
+        for request in requests:
+            group = self.groups.get(request.request_id) if request.error else None
+            if group is None:
+                continue
+            for member in group.requests:
+                if not member.is_finished:
+                    member.error = member.error or request.error
+                    self.scheduler.finish(member, RequestStatus.FINISHED_ERROR)
+            group.error = request.error
+            del self.groups[request.request_id]
+            self.num_request_errors += 1
+            ended.append(group)
+        return ended
 
     def _plan_speculation(self) -> None:
         """Draft slots each running request asks for in the coming step: its forced tokens,
@@ -362,10 +385,13 @@ class LLMEngine:
         adaptive = []
         for request in self.scheduler.running:
             request.forced_token_ids = []
-            if self.forced_tokens is not None and request.is_decoding:
-                request.forced_token_ids = self.forced_tokens.forced_tokens(
-                    request, MAX_SPECULATIVE_TOKENS
-                )
+            if self.forced_tokens is not None and request.is_decoding and not request.error:
+                try:
+                    request.forced_token_ids = self.forced_tokens.forced_tokens(
+                        request, MAX_SPECULATIVE_TOKENS
+                    )
+                except Exception as exc:  # one request's grammar: that request alone
+                    request.fail("grammar", exc)
             k = request.params.num_speculative_tokens if self.proposer is not None else 0
             request.num_spec_wanted = default if k is None else k
             if k is None and self.adaptive is not None and request.is_decoding:
@@ -399,7 +425,11 @@ class LLMEngine:
             self.proposer.propose(sched, tables)
         if self.grammar is not None:  # cut each draft list at its first token the grammar refuses
             for request in sched.requests:
-                n = self.grammar.valid_prefix(request, request.spec_token_ids)
+                try:
+                    n = self.grammar.valid_prefix(request, request.spec_token_ids)
+                except Exception as exc:
+                    request.fail("grammar", exc)
+                    n = 0
                 del request.spec_token_ids[n:]
                 if request.draft_probs is not None:
                     request.draft_probs = request.draft_probs[:n]
@@ -432,6 +462,8 @@ class LLMEngine:
                 self.scheduler.add_running(request)
         for request, tokens in result.sampled:
             request.siblings = []
+            if request.error:  # failed this step (e.g. its mask): nothing of it is kept
+                continue
             group = self.groups[request.request_id]
             touched[group.request_id] = group
             logprobs = result.logprobs.get(request) or [None] * len(tokens)
@@ -441,7 +473,7 @@ class LLMEngine:
                         (request.num_output_tokens, request.step_rejected)
                     )
                 request.token_kinds.append(kind)
-                if self._append(group, request, token, lp):
+                if self._append(group, request, token, lp) or request.error:
                     break  # finished: later tokens of a multi-token step are dropped
         for group in touched.values():
             if group.finished:
@@ -452,7 +484,11 @@ class LLMEngine:
         """Append one token and check stop conditions; True when the request finished."""
         request.append_token(token)
         self.num_generated_tokens += 1
-        terminated = request.grammar is not None and self.grammar.commit(request, token)
+        try:
+            terminated = request.grammar is not None and self.grammar.commit(request, token)
+        except Exception as exc:
+            request.fail("grammar", exc)
+            return False
         if group.metrics.first_token_time is None:
             group.metrics.first_token_time = time.monotonic()
         if logprobs is not None:
@@ -467,7 +503,12 @@ class LLMEngine:
                 status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
             elif token in request.eos_token_ids:
                 status = RequestStatus.FINISHED_STOPPED
-        if status is None and (stop := detok.add_token(token, may_stop)) is not None:
+        try:
+            stop = detok.add_token(token, may_stop) if status is None else None
+        except Exception as exc:
+            request.fail("detokenizer", exc)
+            return False
+        if stop is not None:
             status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
         if status is None and terminated:  # the grammar is complete (e.g. with ignore_eos)
             status = RequestStatus.FINISHED_STOPPED
@@ -525,6 +566,7 @@ class LLMEngine:
             prompt_logprobs=prompt_lps,
             metrics=group.metrics,
             num_cached_tokens=group.metrics.num_cached_tokens,
+            error=group.error,
         )
 
     def snapshot(self) -> dict:

@@ -41,6 +41,29 @@ def logprob_entry(token: int, chosen, rank, values, ids, num_top: int) -> RawLog
     return entry
 
 
+def mask_logits(masker, logits: torch.Tensor, rows: list[tuple[Request, list[int]]]) -> None:
+    """masker(logits [R, V], rows) in place. If it raises, again one request at a time: only
+    the requests whose own masks fail are marked failed (Request.fail, their rows are dropped
+    later); everyone else's rows are masked as usual. Masking is idempotent, so rows a failed
+    call masked already are safe to mask again."""
+    try:
+        masker(logits, rows)
+        return
+    except Exception:
+        pass
+    by_request: dict[Request, list[int]] = {}
+    for i, (request, _) in enumerate(rows):
+        by_request.setdefault(request, []).append(i)
+    for request, idx in by_request.items():
+        part = logits[idx]  # [len(idx), V], a copy
+        try:
+            masker(part, [rows[i] for i in idx])
+        except Exception as exc:
+            request.fail("grammar", exc)
+            continue
+        logits[idx] = part
+
+
 @dataclass
 class StepResult:
     # (request, emitted tokens): one token, or under speculation the accepted drafts plus one
@@ -206,7 +229,7 @@ class ModelRunner:
             return
         logits = self.logits(hidden, rows)  # [R, V]
         if self.logits_masker is not None:
-            self.logits_masker(logits, mask_rows)
+            mask_logits(self.logits_masker, logits, mask_rows)
         batch = SamplingBatch.from_requests(views, self.cfg.vocab_size)
         verdicts = verify(process_logits(logits, batch), spans, self.generator)
         lp_rows, lp_tokens, lp_members = [], [], []

@@ -69,3 +69,4 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+    error: str | None = None  # set when the request ended with finish_reason "error"

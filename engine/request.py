@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from enum import IntEnum
 from typing import TYPE_CHECKING
@@ -17,6 +18,8 @@ if TYPE_CHECKING:
     from engine.grammar.matcher import RequestGrammar
     from lora.adapter import LoRAAdapter
 
+logger = logging.getLogger("tandem.engine")
+
 
 class RequestStatus(IntEnum):
     WAITING = 0
@@ -26,6 +29,7 @@ class RequestStatus(IntEnum):
     FINISHED_STOPPED = 10
     FINISHED_LENGTH = 11
     FINISHED_ABORTED = 12
+    FINISHED_ERROR = 13  # its own processing raised (Request.fail); the engine went on
 
     @property
     def is_finished(self) -> bool:
@@ -36,6 +40,7 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -125,6 +130,15 @@ class Request(TokenHistory):
         self.step_rejected: list[int] = []
         self.lora: LoRAAdapter | None = None  # the request's adapter (target model)
         self.draft_lora: LoRAAdapter | None = None  # the draft model's adapter, if any
+        self.error: str | None = None  # set by fail(); the engine ends its group after the step
+
+    def fail(self, where: str, exc: BaseException) -> None:
+        """This request's own processing raised (its grammar, its detokenizer, ...): log the
+        traceback, keep a message without internals for the client, and let the engine end
+        the request's group at the end of the step, leaving every other request untouched."""
+        if self.error is None:
+            logger.error("request %s failed in its %s", self.request_id, where, exc_info=exc)
+            self.error = f"internal error in this request's {where} ({type(exc).__name__})"
 
     @property
     def is_decoding(self) -> bool:

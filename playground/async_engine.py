@@ -9,6 +9,7 @@ RequestOutputs) and abort by closing it: a client that disconnects frees its blo
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections import deque
@@ -19,6 +20,8 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from lora.adapter import LoRARequest
+
+logger = logging.getLogger("tandem.server")
 
 
 class EngineDeadError(RuntimeError):
@@ -140,6 +143,7 @@ class AsyncEngine:
                     self._streams.pop(rid).put(None, EngineDeadError(f"request {rid} ended"))
 
     def _fail_all(self, exc: BaseException) -> None:
+        logger.error("engine step failed; the loop stops", exc_info=exc)
         self.error = exc
         with self._wake:
             self._stopped = True
@@ -148,7 +152,8 @@ class AsyncEngine:
                 self.engine.abort_request(list(self.engine.groups))
         finally:
             for stream in self._streams.values():
-                stream.put(None, EngineDeadError(f"engine step failed: {exc!r}"))
+                # The client hears what happened, not the internals (the log has the traceback).
+                stream.put(None, EngineDeadError("the engine stopped after an internal error"))
             self._streams.clear()
 
     def _count_tokens(self, now: float, total: int) -> None:
@@ -167,7 +172,7 @@ class AsyncEngine:
     def _submit(self, command: Callable[[], None]) -> None:
         with self._wake:
             if self._stopped:
-                raise EngineDeadError(f"the engine is not running: {self.error!r}")
+                raise EngineDeadError("the engine is not running")
             self._commands.append(command)
             self._wake.notify()
 

@@ -189,6 +189,9 @@ async def _serve(
     finals = await _collect_unless_disconnected(request, streams)
     if finals is None:
         return Response(status_code=499)  # nobody is listening
+    failed = next((f.error for f in finals if f.error), None)
+    if failed:  # its own processing raised; the engine and other requests are fine
+        raise APIError(failed, status=500, type="server_error")
     return JSONResponse(protocol.final_response(ctx, finals, params.n, logprobs))
 
 
@@ -301,6 +304,8 @@ async def _sse(
     completion_tokens: dict[int, int] = {}
     try:
         async for i, out in _merge(streams):
+            if out.error:
+                raise APIError(out.error, status=500, type="server_error")
             prompt_tokens[i] = len(out.prompt_token_ids)
             choices = []
             for c in out.outputs:

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from engine.model_runner import ForwardItem, ModelRunner
+from engine.model_runner import ForwardItem, ModelRunner, mask_logits
 from engine.request import Request
 from engine.sampler import RequestAt, SamplingBatch, process_logits
 from engine.scheduler import SchedulerOutput
@@ -69,7 +69,7 @@ class DraftModelProposer:
         """Append each request's next greedy draft (logits [R, V] on the host), under its own
         logits pipeline."""
         if self.logits_masker is not None:  # propose only what the grammar allows
-            self.logits_masker(logits, [(r, r.spec_token_ids) for r in requests])
+            mask_logits(self.logits_masker, logits, [(r, r.spec_token_ids) for r in requests])
         views = [RequestAt(r, r.spec_token_ids) for r in requests]
         batch = SamplingBatch.from_requests(views, self.runner.cfg.vocab_size)
         tokens = process_logits(logits, batch).argmax(dim=-1).tolist()

@@ -420,6 +420,61 @@ def test_50_concurrent_requests_equal_each_alone(tiny):
     assert snap["num_free_blocks"] == snap["num_blocks"]
 
 
+def test_a_request_whose_processing_fails_gets_a_500_alone(tiny):
+    """A fault inside one request's processing (its detokenizer raises; injected for requests
+    with seed 4242): that request gets a 500 (whole) or an error event (streamed) whose message
+    names the part, not the internals; concurrent requests get their usual outputs; the engine
+    keeps serving and ends idle with every block free."""
+    url, state = tiny
+    engine = state.engine.engine
+    real_add = engine.add_request
+
+    def add_request(request_id, prompt, params, *args, **kw):
+        real_add(request_id, prompt, params, *args, **kw)
+        if params.seed == 4242:
+
+            def add_token(token, may_stop):
+                raise RuntimeError("injected fault /secret/path")
+
+            engine.groups[request_id].detokenizers[0].add_token = add_token
+
+    kw = dict(model=str(state.model_name), max_tokens=6, temperature=0)
+    prompts = ["hello there", "abc", "the quick brown fox", "x y z"]
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+        alone = [
+            http.post("/v1/completions", json={**kw, "prompt": p}).json()["choices"][0]["text"]
+            for p in prompts
+        ]
+        engine.add_request = add_request
+        try:
+
+            async def together():
+                async with httpx.AsyncClient(base_url=url, headers=http.headers) as c:
+                    normal = [c.post("/v1/completions", json={**kw, "prompt": p}) for p in prompts]
+                    bad = c.post("/v1/completions", json={**kw, "prompt": "boom", "seed": 4242})
+                    bad_stream = c.post(
+                        "/v1/completions",
+                        json={**kw, "prompt": "boom", "seed": 4242, "stream": True},
+                    )
+                    return await asyncio.gather(bad, bad_stream, *normal)
+
+            bad, bad_stream, *normal = asyncio.run(together())
+        finally:
+            engine.add_request = real_add
+        assert bad.status_code == 500
+        message = bad.json()["error"]["message"]
+        assert "detokenizer" in message and "/secret" not in message and "Traceback" not in message
+        assert bad_stream.status_code == 200
+        events = [e for e in bad_stream.text.split("\n\n") if e.startswith("data: {")]
+        error = json.loads(events[-1][6:])["error"]
+        assert "detokenizer" in error["message"] and "/secret" not in error["message"]
+        assert bad_stream.text.rstrip().endswith("data: [DONE]")
+        assert [r.json()["choices"][0]["text"] for r in normal] == alone
+        assert http.get("/health").status_code == 200
+    snap = wait_idle(state.engine)
+    assert snap["num_free_blocks"] == snap["num_blocks"] and snap["num_request_errors"] == 2
+
+
 def test_unknown_adapter_path_fails_at_start(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="adapter"):
         make_state(

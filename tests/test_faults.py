@@ -1,0 +1,152 @@
+"""Faults inside one request's processing fail that request alone: the detokenizer, the grammar
+(forced tokens, draft checks, masks, commits) raising for one request ends it with
+finish_reason "error" and a message without internals, while every other request in the same
+steps produces exactly what it produces alone, every block returns to the pool, no matcher is
+left live, and the engine keeps serving."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+
+PROMPTS = [[5 + i for i in range(30)], [7, 8, 9, 7, 8, 9, 7, 8], [3, 4], list(range(40, 60))]
+PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+VICTIM = 1  # the request the fault hits
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def alone(llm: LLM, prompts, params) -> list[list[int]]:
+    return [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+
+
+def run_with_fault(llm: LLM, prompts, params, arm) -> dict:
+    """Submit every prompt, arm the fault on the victim once it exists, step to the end."""
+    engine = llm.engine
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    arm(engine, engine.groups[f"r{VICTIM}"])
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return finals
+
+
+def check_isolated(llm: LLM, finals: dict, want: list[list[int]], words: str) -> None:
+    victim = finals[f"r{VICTIM}"]
+    assert victim.outputs[0].finish_reason == "error"
+    assert words in victim.error and "Traceback" not in victim.error and "/" not in victim.error
+    for i, expected in enumerate(want):
+        if i != VICTIM:
+            out = finals[f"r{i}"].outputs[0]
+            assert out.token_ids == expected and out.finish_reason == "length", i
+    snap = llm.engine.snapshot()
+    assert snap["num_free_blocks"] == snap["num_blocks"]
+    assert snap["num_request_errors"] == 1
+    # Still serving: the victim's prompt alone now gives its usual output.
+    assert alone(llm, [PROMPTS[VICTIM]], PARAMS) == [want[VICTIM]]
+
+
+@pytest.mark.parametrize("spec", [None, "ngram"])
+def test_detokenizer_fault_fails_one_request(tiny_llama, spec):
+    llm = LLM(str(tiny_llama), num_kv_blocks=64, max_num_batched_tokens=16, speculative_method=spec)
+    want = alone(llm, PROMPTS, PARAMS)
+
+    def arm(engine, group):
+        detok = group.detokenizers[0]
+        calls = {"n": 0}
+        real = detok.add_token
+
+        def add_token(token, may_stop):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise Boom("injected detokenizer fault")
+            return real(token, may_stop)
+
+        detok.add_token = add_token
+
+    finals = run_with_fault(llm, PROMPTS, PARAMS, arm)
+    check_isolated(llm, finals, want, "detokeniz")
+    assert len(finals[f"r{VICTIM}"].outputs[0].token_ids) == 3  # what it had when it failed
+
+
+def test_n_greater_than_one_fails_the_whole_group(tiny_llama):
+    llm = LLM(str(tiny_llama), num_kv_blocks=64)
+    params = SamplingParams(temperature=0.8, seed=1, n=3, max_tokens=8, ignore_eos=True)
+    engine = llm.engine
+    engine.add_request("g", PROMPTS[0], params)
+    engine.add_request("other", PROMPTS[2], PARAMS)
+    group = engine.groups["g"]
+
+    def add_token(token, may_stop):
+        raise Boom("injected")
+
+    group.detokenizers[1].add_token = add_token
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert [c.finish_reason for c in finals["g"].outputs] == ["error"] * 3
+    assert finals["other"].outputs[0].token_ids == alone(llm, [PROMPTS[2]], PARAMS)[0]
+    snap = engine.snapshot()
+    assert snap["num_free_blocks"] == snap["num_blocks"]
+
+
+@pytest.mark.parametrize("where", ["commit", "mask", "forced_tokens", "valid_prefix"])
+def test_grammar_fault_fails_one_request(tiny_llama, where):
+    """A constrained victim among constrained and free requests, with n-gram drafts and forced
+    tokens on, so every grammar entry point runs each step."""
+    llm = LLM(
+        str(tiny_llama),
+        num_kv_blocks=64,
+        max_num_batched_tokens=16,
+        speculative_method="ngram",
+        adaptive_speculation=False,
+    )
+    constrained = SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, structured_outputs={"regex": "[a-z]{3,40}"}
+    )
+    params = [constrained, constrained, PARAMS, PARAMS]
+    want = [
+        llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids
+        for p, sp in zip(PROMPTS, params, strict=True)
+    ]
+    engine = llm.engine
+    grammar = engine.grammar
+    real = getattr(grammar, where)
+    victim = f"r{VICTIM}"
+
+    def faulty(*args):
+        requests = [a for a in args if hasattr(a, "request_id")]
+        rows = args[1] if where == "mask" else []
+        requests += [r for r, _ in rows]
+        if any(r.request_id == victim for r in requests) and engine.num_steps >= 2:
+            raise Boom(f"injected grammar fault in {where}")
+        return real(*args)
+
+    setattr(grammar, where, faulty)
+    if where == "mask":
+        engine.runner.logits_masker = faulty
+    for i, (p, sp) in enumerate(zip(PROMPTS, params, strict=True)):
+        engine.add_request(f"r{i}", p, sp)
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    setattr(grammar, where, real)
+    if where == "mask":
+        engine.runner.logits_masker = real
+    out = finals[victim]
+    assert out.outputs[0].finish_reason == "error" and "grammar" in out.error
+    for i in (0, 2, 3):
+        assert finals[f"r{i}"].outputs[0].token_ids == want[i], i
+    snap = engine.snapshot()
+    assert snap["num_free_blocks"] == snap["num_blocks"]
+    assert snap["grammar"]["num_matchers"] == 0
