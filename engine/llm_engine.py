@@ -40,6 +40,7 @@ class RequestGroup:
         self.detokenizers: list[IncrementalDetokenizer] = detoks
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
         self.error: str | None = None  # why it ended, when one of its requests failed
+        self.error_status = 500  # 400: the request's own fault (engine.request.RequestError)
 
     @property
     def finished(self) -> bool:
@@ -280,6 +281,11 @@ class LLMEngine:
                 f"prompt has {len(ids)} tokens, the context limit is {self.max_model_len} "
                 "(and at least one token must be generated)"
             )
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(
+                f"n={params.n} is over max_num_seqs={self.config.max_num_seqs}: the "
+                "completions of one prompt run side by side"
+            )
         total = min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
         bs = self.config.block_size
         need = -(-len(ids) // bs) + params.n * (-(-(total - len(ids)) // bs) + 1)
@@ -369,7 +375,7 @@ class LLMEngine:
                 if not member.is_finished:
                     member.error = member.error or request.error
                     self.scheduler.finish(member, RequestStatus.FINISHED_ERROR)
-            group.error = request.error
+            group.error, group.error_status = request.error, request.error_status
             del self.groups[request.request_id]
             self.num_request_errors += 1
             ended.append(group)
@@ -484,13 +490,13 @@ class LLMEngine:
         """Append one token and check stop conditions; True when the request finished."""
         request.append_token(token)
         self.num_generated_tokens += 1
+        if group.metrics.first_token_time is None:
+            group.metrics.first_token_time = time.monotonic()
         try:
             terminated = request.grammar is not None and self.grammar.commit(request, token)
         except Exception as exc:
             request.fail("grammar", exc)
             return False
-        if group.metrics.first_token_time is None:
-            group.metrics.first_token_time = time.monotonic()
         if logprobs is not None:
             request.logprobs.append(logprobs)
             request.cumulative_logprob += logprobs[token][0]
@@ -567,6 +573,7 @@ class LLMEngine:
             metrics=group.metrics,
             num_cached_tokens=group.metrics.num_cached_tokens,
             error=group.error,
+            error_status=group.error_status if group.error else None,
         )
 
     def snapshot(self) -> dict:

@@ -70,3 +70,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
     error: str | None = None  # set when the request ended with finish_reason "error"
+    error_status: int | None = None  # 400: the request's own fault; 500: ours

@@ -21,6 +21,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tandem.engine")
 
 
+class RequestError(ValueError):
+    """A problem with the request itself that shows only while it runs (e.g. a constraint that
+    admits no continuation): the request ends with this message as a client error (400)."""
+
+
 class RequestStatus(IntEnum):
     WAITING = 0
     RUNNING = 1
@@ -131,14 +136,20 @@ class Request(TokenHistory):
         self.lora: LoRAAdapter | None = None  # the request's adapter (target model)
         self.draft_lora: LoRAAdapter | None = None  # the draft model's adapter, if any
         self.error: str | None = None  # set by fail(); the engine ends its group after the step
+        self.error_status = 500  # 400 when the request itself was at fault (RequestError)
 
     def fail(self, where: str, exc: BaseException) -> None:
-        """This request's own processing raised (its grammar, its detokenizer, ...): log the
-        traceback, keep a message without internals for the client, and let the engine end
-        the request's group at the end of the step, leaving every other request untouched."""
-        if self.error is None:
-            logger.error("request %s failed in its %s", self.request_id, where, exc_info=exc)
-            self.error = f"internal error in this request's {where} ({type(exc).__name__})"
+        """This request's own processing raised (its grammar, its detokenizer, ...): keep a
+        message for the client (a RequestError's own; otherwise one without internals, the
+        traceback going to the log) and let the engine end the request's group at the end of
+        the step, leaving every other request untouched."""
+        if self.error is not None:
+            return
+        if isinstance(exc, RequestError):
+            self.error, self.error_status = str(exc), 400
+            return
+        logger.error("request %s failed in its %s", self.request_id, where, exc_info=exc)
+        self.error = f"internal error in this request's {where} ({type(exc).__name__})"
 
     @property
     def is_decoding(self) -> bool:

@@ -7,6 +7,13 @@ from dataclasses import dataclass, field
 from engine.config import MAX_SPECULATIVE_TOKENS
 from engine.grammar.constraint import StructuredOutputs
 
+# Limits on one request (README: "Limits"): what a server accepts before any work is done.
+MAX_N = 64  # completions per prompt (the engine also caps n at max_num_seqs)
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024  # per stop string
+MAX_TOKEN_ID_LIST = 1024  # stop_token_ids and logit_bias entries
+SEED_RANGE = (-(2**63), 2**63)
+
 _EPS = 1e-5
 
 
@@ -58,8 +65,8 @@ class SamplingParams:
         def is_int(v) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
-        if not is_int(self.n) or self.n < 1:
-            raise bad("n", self.n, "must be an integer >= 1")
+        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad("n", self.n, f"must be an integer in [1, {MAX_N}]")
         if not isinstance(self.temperature, int | float) or not 0.0 <= self.temperature < 1e6:
             raise bad("temperature", self.temperature, "must be a number in [0, 1e6)")
         if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
@@ -68,8 +75,10 @@ class SamplingParams:
             raise bad("top_k", self.top_k, "must be an integer >= 0 (0 or -1 disables)")
         if not isinstance(self.min_p, int | float) or not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", self.min_p, "must be in [0, 1]")
-        if self.seed is not None and not is_int(self.seed):
-            raise bad("seed", self.seed, "must be an integer or None")
+        if self.seed is not None and (
+            not is_int(self.seed) or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]
+        ):
+            raise bad("seed", self.seed, "must be an integer in [-2**63, 2**63) or None")
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", self.max_tokens, "must be an integer >= 1 or None")
         if not is_int(self.min_tokens) or self.min_tokens < 0:
@@ -78,8 +87,18 @@ class SamplingParams:
             raise bad("min_tokens", self.min_tokens, f"must be <= max_tokens={self.max_tokens}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", self.stop, "must be non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(
+                f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
+                f"characters, got {len(self.stop)} (longest {max(map(len, self.stop))})"
+            )
         if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "must be non-negative integers")
+        if len(self.stop_token_ids) > MAX_TOKEN_ID_LIST:
+            raise ValueError(
+                f"stop_token_ids takes at most {MAX_TOKEN_ID_LIST} ids, "
+                f"got {len(self.stop_token_ids)}"
+            )
         if not isinstance(self.repetition_penalty, int | float) or not (
             0.0 < self.repetition_penalty <= 100.0
         ):
@@ -91,6 +110,11 @@ class SamplingParams:
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise bad("logit_bias", self.logit_bias, "must be a dict {token_id: bias}")
+            if len(self.logit_bias) > MAX_TOKEN_ID_LIST:
+                raise ValueError(
+                    f"logit_bias takes at most {MAX_TOKEN_ID_LIST} entries, "
+                    f"got {len(self.logit_bias)}"
+                )
             fixed = {}
             for k, v in self.logit_bias.items():
                 if isinstance(k, str) and k.isdigit():

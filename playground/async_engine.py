@@ -129,7 +129,10 @@ class AsyncEngine:
             now = time.monotonic()
             for out in outputs:
                 for observer in self.observers:
-                    observer.on_output(out, now)
+                    try:  # an observer (metrics, views) must never stop the engine
+                        observer.on_output(out, now)
+                    except Exception:
+                        logger.exception("output observer %r failed", observer)
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
                     stream.put(out)

@@ -39,7 +39,7 @@ class ServerMetrics(OutputObserver):
     def on_output(self, out: RequestOutput, now: float) -> None:
         tokens = sum(len(c.token_ids) for c in out.outputs)
         last = self._last.get(out.request_id)
-        if last is None and tokens and out.metrics is not None:
+        if last is None and tokens and out.metrics and out.metrics.first_token_time is not None:
             self.ttft.observe(max(0.0, out.metrics.first_token_time - out.metrics.arrival_time))
         elif last is not None and tokens > last[1]:
             per_token = (now - last[0]) / (tokens - last[1])
@@ -95,6 +95,14 @@ class _EngineCollector:
         yield _counter("tandem_prefix_cache_hits", "Prompt tokens found cached", pc["hit_tokens"])
         yield _gauge("tandem_prefix_cache_hit_rate", "Hit tokens / query tokens", pc["hit_rate"])
         yield _counter("tandem_num_preemptions", "Requests preempted", snap["num_preemptions"])
+        yield _counter(
+            "tandem_request_errors",
+            "Requests ended by a failure in their own processing (finish_reason error)",
+            snap["num_request_errors"],
+        )
+        yield _gauge(
+            "tandem_grammar_matchers", "Grammar matchers live", snap["grammar"]["num_matchers"]
+        )
         yield _counter("tandem_generation_tokens", "Tokens generated", snap["num_generated_tokens"])
         yield _gauge(
             "tandem_generation_tokens_per_second",

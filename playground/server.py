@@ -189,10 +189,17 @@ async def _serve(
     finals = await _collect_unless_disconnected(request, streams)
     if finals is None:
         return Response(status_code=499)  # nobody is listening
-    failed = next((f.error for f in finals if f.error), None)
-    if failed:  # its own processing raised; the engine and other requests are fine
-        raise APIError(failed, status=500, type="server_error")
+    failed = next((f for f in finals if f.error), None)
+    if failed:  # its own processing failed; the engine and other requests are fine
+        raise request_failed(failed)
     return JSONResponse(protocol.final_response(ctx, finals, params.n, logprobs))
+
+
+def request_failed(out: RequestOutput) -> APIError:
+    """The error for a request that ended with finish_reason "error"."""
+    if out.error_status == 400:  # the request's own fault, found while running (its constraint)
+        return APIError(out.error, "structured_outputs")
+    return APIError(out.error, status=500, type="server_error")
 
 
 async def _add_all(state, ctx, ids, params, lora, body, what) -> list[RequestStream]:
@@ -305,7 +312,7 @@ async def _sse(
     try:
         async for i, out in _merge(streams):
             if out.error:
-                raise APIError(out.error, status=500, type="server_error")
+                raise request_failed(out)
             prompt_tokens[i] = len(out.prompt_token_ids)
             choices = []
             for c in out.outputs:
@@ -321,7 +328,8 @@ async def _sse(
             if choices:
                 yield event(ctx.envelope(choices, chunk=True))
     except (APIError, EngineDeadError, ValueError) as exc:
-        yield event(APIError(str(exc), status=500, type="server_error").body())
+        error = exc if isinstance(exc, APIError) else None
+        yield event((error or APIError(str(exc), status=500, type="server_error")).body())
         yield "data: [DONE]\n\n"
         return
     if with_usage:

@@ -150,3 +150,22 @@ def test_grammar_fault_fails_one_request(tiny_llama, where):
     snap = engine.snapshot()
     assert snap["num_free_blocks"] == snap["num_blocks"]
     assert snap["grammar"]["num_matchers"] == 0
+
+
+def test_constraint_dead_end_is_the_requests_own_error(tiny_llama):
+    """A grammar with no output at all is refused at submission; one that dead-ends after a
+    prefix ends that request mid-generation as a client error (error_status 400), others on."""
+    llm = LLM(str(tiny_llama), num_kv_blocks=64, speculative_method="ngram")
+    for empty in ({"grammar": "root ::= x\nx ::= x"}, {"regex": "[^\\x00-\\U0010FFFF]"}):
+        with pytest.raises(ValueError, match="admits no output at all"):
+            llm.generate(["hi"], SamplingParams(structured_outputs=empty), use_tqdm=False)
+    dead_end = SamplingParams(
+        temperature=0, max_tokens=8, structured_outputs={"grammar": 'root ::= "ab" x\nx ::= x'}
+    )
+    want = alone(llm, [PROMPTS[0]], PARAMS)[0]
+    bad, good = llm.generate([PROMPTS[1], PROMPTS[0]], [dead_end, PARAMS], use_tqdm=False)
+    assert bad.outputs[0].finish_reason == "error" and bad.error_status == 400
+    assert "dead end" in bad.error
+    assert good.outputs[0].token_ids == want and good.error is None
+    snap = llm.engine.snapshot()
+    assert snap["num_free_blocks"] == snap["num_blocks"] and snap["grammar"]["num_matchers"] == 0

@@ -178,16 +178,24 @@ class GrammarCompiler:
             check_schema(so.schema)
         try:
             if kind in ("json", "json_object"):
-                return self._compiler.compile_json_schema(
+                compiled = self._compiler.compile_json_schema(
                     json.dumps(so.schema), any_whitespace=so.any_whitespace
                 )
-            if kind == "regex":
-                return self._compiler.compile_regex(so.regex)
-            if kind == "grammar":
-                return self._compiler.compile_grammar(so.grammar)
-            return self._compiler.compile_grammar(choice_grammar(so.choice))
+            elif kind == "regex":
+                compiled = self._compiler.compile_regex(so.regex)
+            elif kind == "grammar":
+                compiled = self._compiler.compile_grammar(so.grammar)
+            else:
+                compiled = self._compiler.compile_grammar(choice_grammar(so.choice))
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError with a message
             raise ValueError(f"structured_outputs.{kind}: {clean_error(e)}") from None
+        # An empty language (e.g. "[^\\x00-\\U0010FFFF]", "root ::= x  x ::= x") compiles, but
+        # no first token and no end is allowed: refuse it now rather than mid-generation.
+        bitmask = xgr.allocate_token_bitmask(1, self.tokenizer_info.vocab_size)
+        xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+        if not bitmask.any():
+            raise ValueError(f"structured_outputs.{kind} admits no output at all")
+        return compiled
 
     @property
     def cache_len(self) -> int:

@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass
 
 KINDS = ("json", "json_object", "regex", "grammar", "choice")
+MAX_CONSTRAINT_CHARS = 65536  # a schema's JSON text, a regex, a grammar, or all choices together
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,20 @@ class StructuredOutputs:
             raise ValueError(
                 f"structured_outputs.choice must be a non-empty list of non-empty strings, "
                 f"got {list(value)!r:.80}"
+            )
+        size = (
+            len(json.dumps(value))
+            if kind == "json"
+            else sum(map(len, value))
+            if kind == "choice"
+            else len(value)
+            if isinstance(value, str)
+            else 0
+        )
+        if size > MAX_CONSTRAINT_CHARS:
+            raise ValueError(
+                f"structured_outputs.{kind} is {size} characters, over the limit of "
+                f"{MAX_CONSTRAINT_CHARS}"
             )
         if not isinstance(self.any_whitespace, bool):
             raise ValueError(

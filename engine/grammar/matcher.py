@@ -20,6 +20,7 @@ import torch
 import xgrammar as xgr
 
 from engine.config import MAX_SPECULATIVE_TOKENS
+from engine.request import RequestError
 
 if TYPE_CHECKING:
     from engine.grammar.compiler import GrammarCompiler
@@ -223,6 +224,12 @@ class GrammarManager:
                 if m.is_terminated():
                     continue  # a position after the stop token: never emitted
                 m.fill_next_token_bitmask(self.bitmask, i)
+                if not self.bitmask[i].any():  # neither a token nor the end: a dead end
+                    position = request.num_output_tokens + len(walked)
+                    raise RequestError(
+                        f"structured_outputs admits no continuation after {position} output "
+                        "tokens (the grammar has a dead end)"
+                    )
                 indices.append(i)
         finally:
             if matcher is not None:

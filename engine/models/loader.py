@@ -45,9 +45,12 @@ def _safetensor_files(path: Path) -> list[Path]:
 def _load_state(path: Path) -> dict[str, torch.Tensor]:
     state = {}
     for file in _safetensor_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                state[name.removeprefix("model.")] = f.get_tensor(name).float()
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    state[name.removeprefix("model.")] = f.get_tensor(name).float()
+        except Exception as e:  # truncated, corrupt, not safetensors at all
+            raise ValueError(f"cannot read weights {str(file)!r}: {e}") from None
     return state
 
 

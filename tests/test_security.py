@@ -1,0 +1,99 @@
+"""Loading and serving defences: model code never runs (no trust_remote_code), weights only from
+safetensors with a clear error for corrupt or missing files, adapters only by configured name
+over HTTP, and /health turning 503 when the engine loop dies."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import httpx
+import pytest
+from web import serving
+
+from engine import LLM
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from playground.async_engine import AsyncEngine
+from playground.server import ServerState, build_app
+
+
+def copy_model(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_model_code_is_never_run(tiny_llama, tmp_path):
+    """A checkpoint that asks for its own Python (auto_map + a custom model_type) is refused,
+    and the module it ships is never imported."""
+    d = copy_model(tiny_llama, tmp_path / "remote")
+    marker = tmp_path / "ran"
+    (d / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('pwned')\n")
+    config = json.loads((d / "config.json").read_text())
+    config.update(
+        model_type="evil",
+        auto_map={"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.Evil"},
+    )
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(Exception) as err:
+        LLM(str(d), num_kv_blocks=16)
+    assert "trust_remote_code" in str(err.value) or "evil" in str(err.value)
+    assert not marker.exists()
+
+
+def test_corrupt_weights_name_the_file(tiny_llama, tmp_path):
+    d = copy_model(tiny_llama, tmp_path / "corrupt")
+    weights = next(d.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"cannot read weights .*model\.safetensors"):
+        LLM(str(d), num_kv_blocks=16)
+
+
+def test_missing_and_pickled_weights_are_refused(tiny_llama, tmp_path):
+    d = copy_model(tiny_llama, tmp_path / "pickled")
+    weights = next(d.glob("*.safetensors"))
+    weights.rename(d / "pytorch_model.bin")  # what a pickle checkpoint would be called
+    with pytest.raises(ValueError, match=r"no \*\.safetensors weights"):
+        LLM(str(d), num_kv_blocks=16)
+    with pytest.raises(ValueError, match="neither a model directory with config.json"):
+        LLM(str(tmp_path / "nowhere"), num_kv_blocks=16)
+
+
+@pytest.fixture
+def tiny_server(tiny_llama):
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=64, num_threads=1))
+    state = ServerState(AsyncEngine(engine), "tiny", {})
+    with serving(build_app(state)) as url:
+        yield url, state
+    state.engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    "model", ["/etc/passwd", "../../../etc/passwd", "file:///etc/passwd", "tiny/../x"]
+)
+def test_requests_cannot_name_paths(tiny_server, model):
+    """model names only what the server was started with; a path is just an unknown name."""
+    url, _ = tiny_server
+    r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": "hi"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert "root:" not in r.text
+
+
+def test_health_turns_503_when_the_loop_dies(tiny_server):
+    """A step that raises (a bug, injected) stops the loop: the request in flight gets a 503
+    without internals, /health says 503, and so does every later request."""
+    url, state = tiny_server
+    engine = state.engine.engine
+
+    def broken_step():
+        raise RuntimeError("injected step failure at /secret/place")
+
+    engine.step = broken_step
+    r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hi"}, timeout=30)
+    assert r.status_code == 503
+    assert "/secret" not in r.text and "injected" not in r.text
+    assert httpx.get(url + "/health").status_code == 503
+    again = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hi"})
+    assert again.status_code == 503
+    snap = engine.snapshot()
+    assert snap["num_free_blocks"] == snap["num_blocks"]
