@@ -38,6 +38,20 @@ def _check_segments(
 
 
 @triton.jit
+def _segment_tile(rows_ptr, seg_starts_ptr, seg_slots_ptr, BLOCK_M: tl.constexpr):
+    """This program's tile of its segment (program ids: segment, tile): whether the tile has
+    any row, the segment's slot, the tile's positions in `rows`, their mask, and the token rows
+    they name."""
+    seg = tl.program_id(0)
+    end = tl.load(seg_starts_ptr + seg + 1)
+    first = tl.load(seg_starts_ptr + seg) + tl.program_id(1) * BLOCK_M
+    offs_m = first + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < end
+    rows = tl.load(rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+    return first < end, tl.load(seg_slots_ptr + seg).to(tl.int64), offs_m, mask_m, rows
+
+
+@triton.jit
 def _lora_shrink_kernel(
     x_ptr,  # [T, size_in]
     a_ptr,  # [S + 1, size_in, rank]
@@ -56,15 +70,10 @@ def _lora_shrink_kernel(
     BLOCK_R: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    seg = tl.program_id(0)
-    start = tl.load(seg_starts_ptr + seg)
-    end = tl.load(seg_starts_ptr + seg + 1)
-    first = start + tl.program_id(1) * BLOCK_M
-    if first < end:
-        slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
-        offs_m = first + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < end
-        rows = tl.load(rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+    live, slot, offs_m, mask_m, rows = _segment_tile(
+        rows_ptr, seg_starts_ptr, seg_slots_ptr, BLOCK_M
+    )
+    if live:
         offs_r = tl.arange(0, BLOCK_R)
         mask_r = offs_r < rank
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -109,15 +118,10 @@ def _lora_expand_kernel(
     BLOCK_R: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    seg = tl.program_id(0)
-    start = tl.load(seg_starts_ptr + seg)
-    end = tl.load(seg_starts_ptr + seg + 1)
-    first = start + tl.program_id(1) * BLOCK_M
-    if first < end:
-        slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
-        offs_m = first + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < end
-        rows = tl.load(rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+    live, slot, offs_m, mask_m, rows = _segment_tile(
+        rows_ptr, seg_starts_ptr, seg_slots_ptr, BLOCK_M
+    )
+    if live:
         offs_r = tl.arange(0, BLOCK_R)
         mask_r = offs_r < rank
         offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
