@@ -2,6 +2,7 @@
 bandwidth and HF transformers on the same GPU and workload.
 
     python -m bench.gpu [--parts attention,lora,decode,sweep] [--models smollm2,1b] [--quick]
+    python -m bench.gpu --smoke     # the same code on CPU at toy sizes (Triton's interpreter)
 
 Random-weight Llama models, saved as HF directories (safetensors, a word-level tokenizer over
 the ids) in a temporary folder: SmolLM2-135M's shapes and a ~1B config (Llama-3.2-1B's shapes).
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -54,11 +56,56 @@ MODELS = {
         tie_word_embeddings=True,
         rope_theta=500000.0,
     ),
+    "micro": dict(  # --smoke only
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=512,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+    ),
 }
+# Workload sizes; --smoke swaps in SMOKE.
+SIZES = dict(
+    attention=(32, 32, 8, [1024, 4096, 16384, 32768]),  # requests, q heads, kv heads, contexts
+    lora=(64, 16),  # rows, rank
+    decode=(512, 128),  # prompt, new tokens
+    sweep=(128, 128, [1, 8, 32, 128], 4),  # prompt, new tokens, batch sizes, hf_seq requests
+)
+SMOKE = dict(
+    attention=(2, 4, 2, [64, 128]),
+    lora=(16, 8),
+    decode=(32, 8),
+    sweep=(16, 8, [1, 2], 2),
+)
+
+
+# Where it runs: CUDA in bf16; --smoke: CPU in fp32 at toy sizes, to check the code itself
+# before a GPU session spends its time on it.
+DEV, DTYPE = "cuda", torch.bfloat16
+
+
+def sync() -> None:
+    if DEV == "cuda":
+        sync()
+
+
+def free_cached() -> None:
+    if DEV == "cuda":
+        free_cached()
 
 
 def do_bench(fn) -> float:
-    """Median milliseconds over CUDA events, L2 flushed between calls."""
+    """Median milliseconds: CUDA events with the L2 flushed between calls (CPU: 3 calls)."""
+    if DEV != "cuda":
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+        return sorted(times)[1]
     from triton.testing import do_bench as triton_bench
 
     return triton_bench(fn, warmup=25, rep=200, return_mode="median")
@@ -66,7 +113,7 @@ def do_bench(fn) -> float:
 
 def copy_bandwidth() -> float:
     """Bytes/s of a device-to-device copy, counting bytes read and written."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    src = torch.empty(1 << (30 if DEV == "cuda" else 24), dtype=torch.uint8, device=DEV)
     dst = torch.empty_like(src)
     ms = do_bench(lambda: dst.copy_(src))
     return 2 * src.numel() / (ms * 1e-3)
@@ -88,8 +135,8 @@ def make_model_dir(root: Path, name: str) -> Path:
         eos_token_id=2,
     )
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.device(DEV):
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPE)
     model.save_pretrained(path)
     vocab = {f"<{i}>": i for i in range(shapes["vocab_size"])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))
@@ -97,7 +144,7 @@ def make_model_dir(root: Path, name: str) -> Path:
         path
     )
     del model
-    torch.cuda.empty_cache()
+    free_cached()
     return path
 
 
@@ -119,17 +166,18 @@ def param_bytes(path: Path) -> int:
 def bench_attention(copy_bw: float, quick: bool) -> dict:
     from kernels.triton_attention import paged_decode_attention
 
-    num_reqs, hq, hkv, dim, bs = 32, 32, 8, 64, 16
+    num_reqs, hq, hkv, contexts = SIZES["attention"]
+    dim, bs = 64, 16
     out = {}
-    for ctx in [1024, 4096, 16384] + ([] if quick else [32768]):
+    for ctx in contexts[:-1] if quick else contexts:
         blocks_per_req = ctx // bs
         num_blocks = num_reqs * blocks_per_req + 1
-        k_cache = torch.randn(hkv, num_blocks, bs, dim, device="cuda", dtype=torch.bfloat16)
+        k_cache = torch.randn(hkv, num_blocks, bs, dim, device=DEV, dtype=DTYPE)
         v_cache = torch.randn_like(k_cache)
-        perm = torch.randperm(num_blocks - 1, device="cuda") + 1
+        perm = torch.randperm(num_blocks - 1, device=DEV) + 1
         tables = perm.view(num_reqs, blocks_per_req).to(torch.int32)
-        seq_lens = torch.full((num_reqs,), ctx, dtype=torch.int32, device="cuda")
-        q = torch.randn(num_reqs, hq, dim, device="cuda", dtype=torch.bfloat16)
+        seq_lens = torch.full((num_reqs,), ctx, dtype=torch.int32, device=DEV)
+        q = torch.randn(num_reqs, hq, dim, device=DEV, dtype=DTYPE)
         args = (q, k_cache, v_cache, tables, seq_lens, 0.125)
         ms = do_bench(lambda args=args: paged_decode_attention(*args))
         kv_bytes = 2 * num_reqs * ctx * hkv * dim * 2
@@ -148,9 +196,9 @@ def bench_lora(model_dir: Path) -> dict:
     from lora.adapter import LoRAAdapter, projection_shapes
     from lora.batch import GROUPS, LoRABatch, LoRASlots
 
-    model, cfg, _ = load_model(model_dir, device="cuda", dtype=torch.bfloat16)
-    rank, rows = 16, 64
-    slots = LoRASlots(cfg, max_loras=8, max_rank=rank, device="cuda", dtype=torch.bfloat16)
+    model, cfg, _ = load_model(model_dir, device=DEV, dtype=DTYPE)
+    rows, rank = SIZES["lora"]
+    slots = LoRASlots(cfg, max_loras=8, max_rank=rank, device=DEV, dtype=DTYPE)
     shapes = projection_shapes(cfg)
     for i in range(8):
         g = torch.Generator().manual_seed(i)
@@ -165,13 +213,13 @@ def bench_lora(model_dir: Path) -> dict:
         adapter = LoRAAdapter(f"a{i}", "", str(i), rank, weights)
         slots.activate([adapter])
     batch = LoRABatch.build(slots, [1 + r // 8 for r in range(rows)], "triton").to(
-        torch.device("cuda")
+        torch.device(DEV)
     )
     x = {
-        "qkv": torch.randn(rows, cfg.hidden_size, device="cuda", dtype=torch.bfloat16),
-        "o": torch.randn(rows, cfg.num_heads * cfg.head_dim, device="cuda", dtype=torch.bfloat16),
-        "gate_up": torch.randn(rows, cfg.hidden_size, device="cuda", dtype=torch.bfloat16),
-        "down": torch.randn(rows, cfg.intermediate_size, device="cuda", dtype=torch.bfloat16),
+        "qkv": torch.randn(rows, cfg.hidden_size, device=DEV, dtype=DTYPE),
+        "o": torch.randn(rows, cfg.num_heads * cfg.head_dim, device=DEV, dtype=DTYPE),
+        "gate_up": torch.randn(rows, cfg.hidden_size, device=DEV, dtype=DTYPE),
+        "down": torch.randn(rows, cfg.intermediate_size, device=DEV, dtype=DTYPE),
     }
     linears = {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj", "down": "down_proj"}
 
@@ -202,7 +250,7 @@ def engine_run(model_dir: Path, prompts, max_tokens: int, max_num_seqs: int):
     engine = llm.engine
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     decode_s, decode_steps, tokens = 0.0, 0, 0
     sched = engine.scheduler
@@ -216,16 +264,16 @@ def engine_run(model_dir: Path, prompts, max_tokens: int, max_num_seqs: int):
         if not mixed:
             decode_s, decode_steps = decode_s + time.perf_counter() - s0, decode_steps + 1
         tokens += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
-    torch.cuda.synchronize()
+    sync()
     seconds = time.perf_counter() - t0
     del llm, engine
-    torch.cuda.empty_cache()
+    free_cached()
     return seconds, tokens, decode_s, decode_steps
 
 
 def bench_decode(model_dir: Path, name: str, copy_bw: float) -> dict:
-    prompt_len, new = 512, 128
-    prompt = [[(7 * i) % 1000 + 10 for i in range(prompt_len)]]
+    prompt_len, new = SIZES["decode"]
+    prompt = [[(7 * i) % 400 + 10 for i in range(prompt_len)]]
     seconds, tokens, decode_s, steps = engine_run(model_dir, prompt, new, 1)
     shapes = MODELS[name]
     kv_per_token = shapes["num_hidden_layers"] * 2 * shapes["num_key_value_heads"] * 64 * 2
@@ -243,11 +291,11 @@ def bench_decode(model_dir: Path, name: str, copy_bw: float) -> dict:
 def hf_generate(model, prompts, max_tokens: int, batch: int) -> tuple[float, int]:
     """HF generate in batches of `batch` (equal prompt lengths: no padding); (seconds, tokens)."""
     vocab = model.config.vocab_size
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     tokens = 0
     for i in range(0, len(prompts), batch):
-        ids = torch.tensor(prompts[i : i + batch], device="cuda")
+        ids = torch.tensor(prompts[i : i + batch], device=DEV)
         out = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
@@ -257,28 +305,28 @@ def hf_generate(model, prompts, max_tokens: int, batch: int) -> tuple[float, int
             pad_token_id=0,
         )
         tokens += (out.shape[1] - ids.shape[1]) * ids.shape[0]
-    torch.cuda.synchronize()
+    sync()
     return time.perf_counter() - t0, tokens
 
 
 def bench_sweep(model_dir: Path, name: str, quick: bool) -> dict:
     from transformers import AutoModelForCausalLM
 
-    prompt_len, new = 128, 128
-    batches = [1, 8, 32] + ([] if quick else [128])
+    prompt_len, new, batches, num_seq = SIZES["sweep"]
+    batches = batches[:-1] if quick else batches
     prompts = [
-        [(31 * i + 7 * j) % 5000 + 10 for j in range(prompt_len)] for i in range(max(batches))
+        [(31 * i + 7 * j) % 400 + 10 for j in range(prompt_len)] for i in range(max(batches))
     ]
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).cuda().eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPE).to(DEV).eval()
     hf_generate(hf, prompts[:1], 8, 1)  # warm-up
-    seq_s, seq_tok = hf_generate(hf, prompts[:4], new, 1)
+    seq_s, seq_tok = hf_generate(hf, prompts[:num_seq], new, 1)
     hf_seq = seq_tok / seq_s
     rows = {}
     for b in batches:
         st_s, st_tok = hf_generate(hf, prompts[:b], new, b)
         rows[b] = {"hf_static_tok_s": st_tok / st_s}
     del hf
-    torch.cuda.empty_cache()
+    free_cached()
     for b in batches:
         seconds, tokens, _, _ = engine_run(model_dir, prompts[:b], new, b)
         rows[b]["tandem_tok_s"] = tokens / seconds
@@ -298,18 +346,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="smollm2,1b")
     ap.add_argument("--quick", action="store_true", help="fewer contexts and batch sizes")
     ap.add_argument("--json", help="also write every figure to this file")
+    ap.add_argument("--smoke", action="store_true", help="CPU, toy sizes: checks the code only")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench.gpu needs a CUDA device")
+    global DEV, DTYPE
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
+        DEV, DTYPE = "cpu", torch.float32
+        SIZES.update(SMOKE)
+        args.models = "micro"
+    elif not torch.cuda.is_available():
+        raise SystemExit("bench.gpu needs a CUDA device (or --smoke)")
     import transformers
     import triton
 
     parts, names = args.parts.split(","), args.models.split(",")
+    device = torch.cuda.get_device_name() if DEV == "cuda" else "CPU (smoke run)"
     print(
-        f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
-        f"{triton.__version__}, transformers {transformers.__version__}, bf16"
+        f"# {device}, torch {torch.__version__}, triton {triton.__version__}, "
+        f"transformers {transformers.__version__}, {DTYPE}"
     )
-    results: dict = {"device": torch.cuda.get_device_name()}
+    results: dict = {"device": device}
     copy_bw = copy_bandwidth()
     results["copy_gbs"] = copy_bw / 1e9
     print(f"copy bandwidth: {copy_bw / 1e9:.0f} GB/s (read + write)")
@@ -317,8 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         results["attention"] = bench_attention(copy_bw, args.quick)
     with tempfile.TemporaryDirectory() as tmp:
         dirs = {name: make_model_dir(Path(tmp), name) for name in names}
-        if "lora" in parts and "1b" in dirs:
-            results["lora"] = bench_lora(dirs["1b"])
+        if "lora" in parts:  # the largest model asked for
+            results["lora"] = bench_lora(dirs[names[-1]])
         for name in names:
             if "decode" in parts:
                 results[f"decode_{name}"] = bench_decode(dirs[name], name, copy_bw)
@@ -332,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
 
     att = results.get("attention")
     longest = att[max(att)]["fraction_of_copy"] if att else None
-    dec = results.get("decode_1b", {}).get("fraction")
+    dec = results.get(f"decode_{names[-1]}", {}).get("fraction")
     sweeps = [results[k] for k in results if k.startswith("sweep_")]
     best_x = max((r["x_hf_seq"] for s in sweeps for r in s["batches"].values()), default=None)
     lora = results.get("lora", {}).get("overhead")

@@ -313,6 +313,7 @@ def run(args) -> dict:
         "rss_warm_mb": quarter[0] if quarter else rss[-1][1],
         "rss_end_mb": rss[-1][1],
         "rss_growth_mb": rss[-1][1] - (quarter[0] if quarter else rss[-1][1]),
+        "rss_series": [rss[round(i * (len(rss) - 1) / 10)] for i in range(11)],
     }
 
 
@@ -322,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--clients", type=int, default=32)
-    ap.add_argument("--kv-blocks", type=int, default=192, help="0: the default pool size")
+    ap.add_argument("--kv-blocks", type=int, default=96, help="0: the default pool size")
     ap.add_argument("--templates", type=int, default=48)
     ap.add_argument("--abort-rate", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=0)
@@ -341,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{res['rss_start_mb']:.0f} MB at start, {res['rss_warm_mb']:.0f} MB after the first "
         f"quarter, {res['rss_end_mb']:.0f} MB at the end"
     )
+    series = ", ".join(f"{m:.0f}" for _, m in res["rss_series"])
+    print(f"server RSS (MB) at every tenth of the run: {series}")
     for example in t.examples:
         print(f"  e.g. {example}")
     print(
