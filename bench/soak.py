@@ -1,7 +1,7 @@
 """Soak: a bounded load test against `tandem serve` on loopback, checking that nothing is lost.
 
     python -m bench.soak [--requests 2000] [--minutes 10] [--clients 32] [--model M]
-                         [--kv-blocks N] [--templates 48] [--abort-rate 0.1] [--seed 0]
+                         [--kv-blocks 48] [--templates 48] [--abort-rate 0.1] [--seed 0]
 
 The server runs in its own process as deployed (`python -m engine.cli serve`): n-gram
 speculation, the two demo PEFT adapters, an API key, and a KV pool of --kv-blocks blocks (small
@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--clients", type=int, default=32)
-    ap.add_argument("--kv-blocks", type=int, default=96, help="0: the default pool size")
+    ap.add_argument("--kv-blocks", type=int, default=48, help="0: the default pool size")
     ap.add_argument("--templates", type=int, default=48)
     ap.add_argument("--abort-rate", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=0)
