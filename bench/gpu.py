@@ -192,6 +192,7 @@ def bench_attention(copy_bw: float, quick: bool) -> dict:
 
 def bench_lora(model_dir: Path) -> dict:
     """One decode step's projections at 64 rows: base vs base + 8 adapters via the kernels."""
+    from engine.device import to_device
     from engine.models.loader import load_model
     from lora.adapter import LoRAAdapter, projection_shapes
     from lora.batch import GROUPS, LoRABatch, LoRASlots
@@ -212,8 +213,8 @@ def bench_lora(model_dir: Path) -> dict:
         }
         adapter = LoRAAdapter(f"a{i}", "", str(i), rank, weights)
         slots.activate([adapter])
-    batch = LoRABatch.build(slots, [1 + r // 8 for r in range(rows)], "triton").to(
-        torch.device(DEV)
+    batch = to_device(
+        LoRABatch.build(slots, [1 + r // 8 for r in range(rows)], "triton"), torch.device(DEV)
     )
     x = {
         "qkv": torch.randn(rows, cfg.hidden_size, device=DEV, dtype=DTYPE),

@@ -56,31 +56,6 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
     varlen: VarlenBatch | None = None  # set for the Triton backend (then no buckets, prefills)
 
-    def to(self, device: torch.device) -> AttentionMetadata:
-        """Built on the host; a copy on device (itself on CPU)."""
-        if device.type == "cpu":
-            return self
-        return AttentionMetadata(
-            _to(self.slot_mapping, device),
-            [_fields_to(b, device) for b in self.buckets],
-            [_fields_to(p, device) for p in self.prefills],
-            _fields_to(self.varlen, device) if self.varlen is not None else None,
-        )
-
-
-def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return t.to(device, non_blocking=True)
-
-
-def _fields_to(obj, device: torch.device):
-    """A copy of a slots dataclass with its tensors on device."""
-    return type(obj)(
-        *(
-            _to(v, device) if isinstance(v, torch.Tensor) else v
-            for v in (getattr(obj, f) for f in obj.__slots__)
-        )
-    )
-
 
 BACKENDS = ("auto", "torch", "triton")
 

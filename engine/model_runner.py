@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention import build_metadata
+from engine.device import to_device
 from engine.models.llama import LlamaForCausalLM, ModelConfig
 from engine.request import Request
 from engine.sampler import RequestAt, SamplingBatch, process_logits, top_logprobs
@@ -120,7 +121,7 @@ class ModelRunner:
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies:
             src, dst = (
-                self._to_device(torch.tensor(c, dtype=torch.long))
+                to_device(torch.tensor(c, dtype=torch.long), self.device)
                 for c in zip(*copies, strict=True)
             )
             self.kv_caches[:, :, :, dst] = self.kv_caches[:, :, :, src]
@@ -149,22 +150,15 @@ class ModelRunner:
             self.cfg.sliding_window,
             self.attention_backend,
         )
-        lora = self._lora_batch(items)
-        return self.model(
-            self._to_device(torch.tensor(input_ids, dtype=torch.long)),
-            self._to_device(torch.tensor(positions, dtype=torch.long)),
-            self.kv_caches,
-            meta.to(self.device),
-            lora.to(self.device) if lora is not None else None,
-        )
-
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
+        ids = torch.tensor(input_ids, dtype=torch.long)
+        pos = torch.tensor(positions, dtype=torch.long)
+        ids, pos, meta, lora = to_device((ids, pos, meta, self._lora_batch(items)), self.device)
+        return self.model(ids, pos, self.kv_caches, meta, lora)
 
     def logits(self, hidden: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
         """[len(rows) or M, vocab] float32 on the host: the LM head over these rows of hidden."""
         if rows is not None:
-            hidden = hidden[self._to_device(torch.tensor(rows, dtype=torch.long))]
+            hidden = hidden[to_device(torch.tensor(rows, dtype=torch.long), self.device)]
         logits = self.model.compute_logits(hidden)[:, : self.cfg.vocab_size]
         return logits.float().cpu()
 

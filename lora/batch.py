@@ -122,12 +122,6 @@ class SlotSegments:
     seg_slots: torch.Tensor  # [G] int32
     max_seg_len: int
 
-    def to(self, device: torch.device) -> SlotSegments:
-        move = [
-            t.to(device, non_blocking=True) for t in (self.rows, self.seg_starts, self.seg_slots)
-        ]
-        return SlotSegments(*move, self.max_seg_len)
-
     @classmethod
     def build(cls, by_slot: dict[int, list[int]]) -> SlotSegments:
         order = sorted(by_slot)
@@ -154,24 +148,6 @@ class LoRABatch:
     slot_range: tuple[int, int] = (0, 0)  # lo, hi
     width: int = 0  # rows per slot in the packed layout
     kernel_segments: SlotSegments | None = None  # set for the Triton path (then nothing else)
-
-    def to(self, device: torch.device) -> LoRABatch:
-        """Built on the host; a copy with its index tensors on device (itself on CPU)."""
-        if device.type == "cpu":
-            return self
-
-        def move(t):
-            return t.to(device, non_blocking=True) if t is not None else None
-
-        return LoRABatch(
-            self.slots,
-            [(slot, move(rows)) for slot, rows in self.segments],
-            move(self.rows),
-            move(self.packed),
-            self.slot_range,
-            self.width,
-            self.kernel_segments.to(device) if self.kernel_segments is not None else None,
-        )
 
     @classmethod
     def build(

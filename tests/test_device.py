@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
+from engine.device import to_device
 
 PROMPTS = [[5 + i for i in range(37)], [7, 8, 9, 7, 8, 9, 7, 8], [3], list(range(40, 60)) * 2]
 NEW_TOKENS = 10
@@ -94,14 +95,16 @@ def test_bf16_on_cpu_agrees_with_hf_bf16(tiny_llama, backend):
 
 
 def test_metadata_and_adapter_batches_move_to_a_device():
-    """AttentionMetadata.to / LoRABatch.to copy every index tensor; on CPU they are no-ops."""
+    """engine.device.to_device copies every index tensor of a step's attention metadata and
+    adapter batch (both layouts); on CPU it hands back the object itself."""
     from engine.attention import build_metadata
+    from lora.batch import LoRABatch
 
     meta = build_metadata(
         [40, 3, 17], [20, 1, 1], [[1, 2, 3], [4], [5, 6]], torch.arange(22), 16, None
     )
-    assert meta.to(torch.device("cpu")) is meta
-    moved = meta.to(torch.device("meta"))  # a device with no data: checks every field moves
+    assert to_device(meta, torch.device("cpu")) is meta
+    moved = to_device(meta, torch.device("meta"))  # a device with no data: every field moves
     assert moved.slot_mapping.device.type == "meta"
     assert all(t.device.type == "meta" for b in moved.buckets for t in (b.rows, b.key_bias))
     assert all(p.mask.device.type == "meta" for p in moved.prefills)
@@ -109,7 +112,16 @@ def test_metadata_and_adapter_batches_move_to_a_device():
     varlen = build_metadata(
         [40, 3], [16, 1], [[1, 2, 3], [4]], torch.arange(17), 16, None, "triton"
     )
-    assert varlen.to(torch.device("meta")).varlen.block_tables.device.type == "meta"
+    assert to_device(varlen, torch.device("meta")).varlen.block_tables.device.type == "meta"
+    meta_dev = torch.device("meta")
+    packed = LoRABatch.build(None, [1] * 10 + [0, 2, 3, 3], "torch")  # a segment + packed rows
+    moved = to_device(packed, meta_dev)
+    assert moved.segments[0][1].device == meta_dev and moved.segments[0][0] == 1
+    assert moved.rows.device == meta_dev and moved.packed.device == meta_dev
+    assert moved.slot_range == packed.slot_range and moved.width == packed.width
+    kernel = to_device(LoRABatch.build(None, [1, 0, 2, 2], "triton"), meta_dev).kernel_segments
+    assert all(t.device == meta_dev for t in (kernel.rows, kernel.seg_starts, kernel.seg_slots))
+    assert kernel.max_seg_len == 2
 
 
 @pytest.mark.gpu
