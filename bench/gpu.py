@@ -159,7 +159,7 @@ def param_bytes(path: Path) -> int:
                 n = 1
                 for d in t.get_shape():
                     n *= d
-                total += 2 * n
+                total += DTYPE.itemsize * n
     return total
 
 
@@ -180,7 +180,7 @@ def bench_attention(copy_bw: float, quick: bool) -> dict:
         q = torch.randn(num_reqs, hq, dim, device=DEV, dtype=DTYPE)
         args = (q, k_cache, v_cache, tables, seq_lens, 0.125)
         ms = do_bench(lambda args=args: paged_decode_attention(*args))
-        kv_bytes = 2 * num_reqs * ctx * hkv * dim * 2
+        kv_bytes = 2 * num_reqs * ctx * hkv * dim * DTYPE.itemsize  # K and V
         out[ctx] = {"ms": ms, "bandwidth_gbs": kv_bytes / ms / 1e6}
         out[ctx]["fraction_of_copy"] = out[ctx]["bandwidth_gbs"] * 1e9 / copy_bw
         print(
@@ -277,7 +277,9 @@ def bench_decode(model_dir: Path, name: str, copy_bw: float) -> dict:
     prompt = [[(7 * i) % 400 + 10 for i in range(prompt_len)]]
     seconds, tokens, decode_s, steps = engine_run(model_dir, prompt, new, 1)
     shapes = MODELS[name]
-    kv_per_token = shapes["num_hidden_layers"] * 2 * shapes["num_key_value_heads"] * 64 * 2
+    kv_per_token = (
+        shapes["num_hidden_layers"] * 2 * shapes["num_key_value_heads"] * 64 * DTYPE.itemsize
+    )
     weights = param_bytes(model_dir)
     mean_ctx = prompt_len + new / 2
     roofline = copy_bw / (weights + kv_per_token * mean_ctx)  # tokens/s

@@ -39,12 +39,15 @@ class RequestGroup:
         self.requests = requests
         self.detokenizers: list[IncrementalDetokenizer] = detoks
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
-        self.error: str | None = None  # why it ended, when one of its requests failed
-        self.error_status = 500  # 400: the request's own fault (engine.request.RequestError)
 
     @property
     def finished(self) -> bool:
         return all(r.is_finished for r in self.requests)
+
+    @property
+    def failed(self) -> Request | None:
+        """The request whose own processing failed (Request.fail), if one did."""
+        return next((r for r in self.requests if r.error), None)
 
 
 class LLMEngine:
@@ -373,9 +376,7 @@ class LLMEngine:
                 continue
             for member in group.requests:
                 if not member.is_finished:
-                    member.error = member.error or request.error
                     self.scheduler.finish(member, RequestStatus.FINISHED_ERROR)
-            group.error, group.error_status = request.error, request.error_status
             del self.groups[request.request_id]
             self.num_request_errors += 1
             ended.append(group)
@@ -553,7 +554,7 @@ class LLMEngine:
                     rejected_drafts=list(request.rejected_drafts),
                 )
             )
-        leader = group.requests[0]
+        leader, failed = group.requests[0], group.failed
         prompt_lps = None
         if leader.params.prompt_logprobs is not None:
             prompt_lps = [None] + [self._decode_logprobs(lp) for lp in leader.prompt_logprobs]
@@ -572,8 +573,8 @@ class LLMEngine:
             prompt_logprobs=prompt_lps,
             metrics=group.metrics,
             num_cached_tokens=group.metrics.num_cached_tokens,
-            error=group.error,
-            error_status=group.error_status if group.error else None,
+            error=failed.error if failed else None,
+            error_status=failed.error_status if failed else None,
         )
 
     def snapshot(self) -> dict:

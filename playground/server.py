@@ -328,8 +328,9 @@ async def _sse(
             if choices:
                 yield event(ctx.envelope(choices, chunk=True))
     except (APIError, EngineDeadError, ValueError) as exc:
-        error = exc if isinstance(exc, APIError) else None
-        yield event((error or APIError(str(exc), status=500, type="server_error")).body())
+        if not isinstance(exc, APIError):
+            exc = APIError(str(exc), status=500, type="server_error")
+        yield event(exc.body())
         yield "data: [DONE]\n\n"
         return
     if with_usage:

@@ -64,15 +64,12 @@ class StructuredOutputs:
                 f"structured_outputs.choice must be a non-empty list of non-empty strings, "
                 f"got {list(value)!r:.80}"
             )
-        size = (
-            len(json.dumps(value))
-            if kind == "json"
-            else sum(map(len, value))
-            if kind == "choice"
-            else len(value)
-            if isinstance(value, str)
-            else 0
-        )
+        if kind == "json":
+            size = len(json.dumps(value))
+        elif kind == "choice":
+            size = sum(map(len, value))
+        else:  # regex and grammar text; json_object has no text
+            size = len(value) if isinstance(value, str) else 0
         if size > MAX_CONSTRAINT_CHARS:
             raise ValueError(
                 f"structured_outputs.{kind} is {size} characters, over the limit of "

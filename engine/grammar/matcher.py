@@ -225,10 +225,11 @@ class GrammarManager:
                     continue  # a position after the stop token: never emitted
                 m.fill_next_token_bitmask(self.bitmask, i)
                 if not self.bitmask[i].any():  # neither a token nor the end: a dead end
-                    position = request.num_output_tokens + len(walked)
+                    drafted = f" and {len(walked)} drafted" if walked else ""
                     raise RequestError(
-                        f"structured_outputs admits no continuation after {position} output "
-                        "tokens (the grammar has a dead end)"
+                        "structured_outputs admits no continuation after "
+                        f"{request.num_output_tokens} output tokens{drafted} (the grammar has "
+                        "a dead end)"
                     )
                 indices.append(i)
         finally:
