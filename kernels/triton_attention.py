@@ -141,6 +141,52 @@ def _attend_block(
 
 
 @triton.jit
+def _attend_blocks(
+    q,  # [ROWS, BLOCK_D] fp32
+    q_pos,  # [ROWS] absolute position of each query row
+    k_cache_ptr,
+    v_cache_ptr,
+    table_ptr,  # the request's row of the block table
+    first,  # blocks [first, last) of the request
+    last,
+    kv_head,
+    stride_ch,
+    seq_len,
+    scale,
+    ROWS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """The online softmax over a run of the request's blocks: (row max, row sum, unnormalised
+    output [ROWS, BLOCK_D]); a row that saw no key has sum 0."""
+    row_max = tl.full([ROWS], float("-inf"), tl.float32)
+    row_sum = tl.full([ROWS], 0.0, tl.float32)
+    acc = tl.full([ROWS, BLOCK_D], 0.0, tl.float32)
+    for j in range(first, last):
+        block = tl.load(table_ptr + j)
+        row_max, row_sum, acc = _attend_block(
+            q,
+            q_pos,
+            row_max,
+            row_sum,
+            acc,
+            k_cache_ptr,
+            v_cache_ptr,
+            block,
+            j,
+            kv_head,
+            stride_ch,
+            seq_len,
+            scale,
+            BLOCK_SIZE,
+            HEAD_DIM,
+            BLOCK_D,
+        )
+    return row_max, row_sum, acc
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr,  # [T, Hq, D]
     k_cache_ptr,  # [Hkv, NB, BS, D]
@@ -179,32 +225,25 @@ def _paged_attention_kernel(
             other=0.0,
         ).to(tl.float32)
         q_pos = context_len + m  # absolute positions of the queries
-        row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        row_sum = tl.full([BLOCK_M], 0.0, tl.float32)
-        acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
         # Keys up to the last query's position: the tile's causal horizon.
         last = tl.minimum(context_len + (tile + 1) * BLOCK_M, seq_len)
-        num_blocks = (last + BLOCK_SIZE - 1) // BLOCK_SIZE
-        for j in range(0, num_blocks):
-            block = tl.load(block_tables_ptr + req * stride_bt + j)
-            row_max, row_sum, acc = _attend_block(
-                q,
-                q_pos,
-                row_max,
-                row_sum,
-                acc,
-                k_cache_ptr,
-                v_cache_ptr,
-                block,
-                j,
-                kv_head,
-                stride_ch,
-                seq_len,
-                scale,
-                BLOCK_SIZE,
-                HEAD_DIM,
-                BLOCK_D,
-            )
+        _, row_sum, acc = _attend_blocks(
+            q,
+            q_pos,
+            k_cache_ptr,
+            v_cache_ptr,
+            block_tables_ptr + req * stride_bt,
+            0,
+            (last + BLOCK_SIZE - 1) // BLOCK_SIZE,
+            kv_head,
+            stride_ch,
+            seq_len,
+            scale,
+            BLOCK_M,
+            BLOCK_SIZE,
+            HEAD_DIM,
+            BLOCK_D,
+        )
         out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
         tl.store(
             out_ptr + (q_start + m)[:, None] * stride_qt + head * stride_qh + d[None, :],
@@ -296,32 +335,26 @@ def _decode_split_kernel(
         mask=g_valid[:, None] & d_valid[None, :],
         other=0.0,
     ).to(tl.float32)
-    row_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    row_sum = tl.full([BLOCK_G], 0.0, tl.float32)
-    acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
     first = split * blocks_per_split
     last = tl.minimum(first + blocks_per_split, (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE)
     q_pos = tl.full([BLOCK_G], 0, tl.int32) + seq_len - 1  # the decode query sees every key
-    for j in range(first, last):
-        block = tl.load(block_tables_ptr + req * stride_bt + j)
-        row_max, row_sum, acc = _attend_block(
-            q,
-            q_pos,
-            row_max,
-            row_sum,
-            acc,
-            k_cache_ptr,
-            v_cache_ptr,
-            block,
-            j,
-            kv_head,
-            stride_ch,
-            seq_len,
-            scale,
-            BLOCK_SIZE,
-            HEAD_DIM,
-            BLOCK_D,
-        )
+    row_max, row_sum, acc = _attend_blocks(
+        q,
+        q_pos,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_tables_ptr + req * stride_bt,
+        first,
+        last,
+        kv_head,
+        stride_ch,
+        seq_len,
+        scale,
+        BLOCK_G,
+        BLOCK_SIZE,
+        HEAD_DIM,
+        BLOCK_D,
+    )
     seen = row_sum > 0.0
     out = acc / tl.where(seen, row_sum, 1.0)[:, None]
     lse = tl.where(seen, row_max + tl.log(tl.where(seen, row_sum, 1.0)), float("-inf"))
