@@ -89,12 +89,12 @@ DEV, DTYPE = "cuda", torch.bfloat16
 
 def sync() -> None:
     if DEV == "cuda":
-        sync()
+        torch.cuda.synchronize()
 
 
 def free_cached() -> None:
     if DEV == "cuda":
-        free_cached()
+        torch.cuda.empty_cache()
 
 
 def do_bench(fn) -> float:
