@@ -16,7 +16,8 @@ synchronize for whole runs; model loading and warm-up are excluded.
   SGMV kernels (lora.batch.LoRABatch on the Triton path) with 8 distinct rank-16 adapters on all
   seven projections, 8 rows each.
 - decode: the engine at batch 1 (prompt 512, 128 new tokens): decode tokens/s against the
-  roofline (weights + the KV read per step, over the copy bandwidth). CUDA graphs: not yet.
+  roofline (weights + the KV read per step, over the copy bandwidth), with CUDA graphs (the
+  default) and with enforce_eager=True.
 - sweep: the engine at batch 1..128 (prompt 128, 128 new tokens, EOS ignored, greedy) against
   HF `generate` one request at a time (sequential) and in static batches of the same size.
 
@@ -236,8 +237,9 @@ def bench_lora(model_dir: Path) -> dict:
     return {"base_ms": base, "lora_ms": lora, "overhead": lora / base - 1}
 
 
-def engine_run(model_dir: Path, prompts, max_tokens: int, max_num_seqs: int):
-    """(seconds, output tokens, decode-only seconds, decode steps) for one engine run."""
+def engine_run(model_dir: Path, prompts, max_tokens: int, max_num_seqs: int, eager=False):
+    """(seconds, output tokens, decode-only seconds, decode steps) for one engine run;
+    eager: no CUDA graphs."""
     from engine import LLM, SamplingParams
 
     llm = LLM(
@@ -245,6 +247,7 @@ def engine_run(model_dir: Path, prompts, max_tokens: int, max_num_seqs: int):
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max(2048, max_num_seqs),
         enable_prefix_caching=False,
+        enforce_eager=eager,
     )
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
@@ -273,9 +276,9 @@ def engine_run(model_dir: Path, prompts, max_tokens: int, max_num_seqs: int):
 
 
 def bench_decode(model_dir: Path, name: str, copy_bw: float) -> dict:
+    """Batch-1 decode tokens/s with CUDA graphs and eagerly, against the roofline."""
     prompt_len, new = SIZES["decode"]
     prompt = [[(7 * i) % 400 + 10 for i in range(prompt_len)]]
-    seconds, tokens, decode_s, steps = engine_run(model_dir, prompt, new, 1)
     shapes = MODELS[name]
     kv_per_token = (
         shapes["num_hidden_layers"] * 2 * shapes["num_key_value_heads"] * 64 * DTYPE.itemsize
@@ -283,12 +286,18 @@ def bench_decode(model_dir: Path, name: str, copy_bw: float) -> dict:
     weights = param_bytes(model_dir)
     mean_ctx = prompt_len + new / 2
     roofline = copy_bw / (weights + kv_per_token * mean_ctx)  # tokens/s
-    tok_s = steps / decode_s if steps else float("nan")
-    print(
-        f"decode {name}: batch 1, {tok_s:.1f} tok/s over {steps} decode steps; roofline "
-        f"{roofline:.0f} tok/s ({weights / 1e9:.2f} GB weights); {tok_s / roofline:.1%}"
-    )
-    return {"tok_s": tok_s, "roofline_tok_s": roofline, "fraction": tok_s / roofline}
+    out = {"roofline_tok_s": roofline}
+    for mode, eager in (("graphs", False), ("eager", True)):
+        _, _, decode_s, steps = engine_run(model_dir, prompt, new, 1, eager=eager)
+        tok_s = steps / decode_s if steps else float("nan")
+        out[mode] = {"tok_s": tok_s, "fraction": tok_s / roofline}
+        print(
+            f"decode {name} ({mode}): batch 1, {tok_s:.1f} tok/s over {steps} decode steps; "
+            f"roofline {roofline:.0f} tok/s ({weights / 1e9:.2f} GB weights); "
+            f"{tok_s / roofline:.1%}"
+        )
+    out["fraction"] = out["graphs"]["fraction"]
+    return out
 
 
 def hf_generate(model, prompts, max_tokens: int, batch: int) -> tuple[float, int]:

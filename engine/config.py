@@ -38,6 +38,10 @@ class EngineConfig:
     # Paged attention: "torch" (the reference, the CPU path), "triton" (kernels/, on CUDA or
     # under TRITON_INTERPRET=1), or "auto" (Triton on CUDA, else torch).
     attention_backend: str = "auto"
+    # On CUDA, decode and verification steps replay CUDA graphs captured at start (batch sizes
+    # 1, 2, 4, 8, 16, ... max_num_seqs; 1 + num_speculative_tokens query tokens per request);
+    # True runs every step eagerly, as on CPU.
+    enforce_eager: bool = False
     seed: int = 0  # engine generator for unseeded random sampling
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     # Speculative decoding: "ngram" (prompt lookup) or "draft" (a draft model; setting

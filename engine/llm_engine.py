@@ -117,6 +117,10 @@ class LLMEngine:
             self.proposer = DraftModelProposer(self.draft_runner)
         elif config.spec_method == "ngram":
             self.proposer = NgramProposer(config.ngram_min, config.ngram_max)
+        if device.type == "cuda" and backend == "triton" and not config.enforce_eager:
+            max_query_len = 1 + (config.num_speculative_tokens if self.proposer else 0)
+            for runner in filter(None, (self.runner, self.draft_runner)):
+                runner.use_graphs(config.max_num_seqs, self.max_model_len, max_query_len)
         self.forced_tokens: ForcedTokens | None = None  # e.g. a grammar's forced tokens
         self.adaptive: AdaptiveSpeculation | None = None
         if self.proposer is not None and config.adaptive_speculation:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention import build_metadata
+from engine.cuda_graphs import GraphRunner
 from engine.device import to_device
 from engine.models.llama import LlamaForCausalLM, ModelConfig
 from engine.request import Request
@@ -116,7 +117,25 @@ class ModelRunner:
         # Constrained decoding: masker(logits [R, V], [(request, drafts before row i)]) in place.
         self.logits_masker = None
         self.lora_slots: LoRASlots | None = None  # adapter slots, when LoRA is enabled
+        self.graphs: GraphRunner | None = None  # decode/verify steps from static buffers
         self.lora_of = lambda request: request.lora  # which of a request's adapters runs here
+
+    def use_graphs(self, max_num_seqs: int, max_model_len: int, max_query_len: int) -> None:
+        """Decode and verification steps (up to max_query_len tokens per request, no adapter)
+        from static buffers: CUDA graphs on CUDA; on CPU the same padded forward, eagerly."""
+        if self.attention_backend != "triton":
+            raise ValueError(
+                f"graphs need the Triton attention backend, got {self.attention_backend!r}"
+            )
+        self.graphs = GraphRunner(
+            self.model,
+            self.kv_caches,
+            self.block_size,
+            max_num_seqs,
+            max_model_len,
+            max_query_len,
+            capture=self.device.type == "cuda",
+        )
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies:
@@ -129,6 +148,9 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, items: list[ForwardItem], tables: dict[Request, list[int]]) -> torch.Tensor:
         """Run every item's tokens in one flat batch; returns hidden states [sum(len), hidden]."""
+        lora = self._lora_batch(items)
+        if lora is None and self.graphs is not None and self.graphs.fits(items):
+            return self.graphs.forward(items, tables)
         input_ids, positions, slots, seq_lens, query_lens, item_tables = [], [], [], [], [], []
         bs = self.block_size
         for item in items:
@@ -152,7 +174,7 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)
-        ids, pos, meta, lora = to_device((ids, pos, meta, self._lora_batch(items)), self.device)
+        ids, pos, meta, lora = to_device((ids, pos, meta, lora), self.device)
         return self.model(ids, pos, self.kv_caches, meta, lora)
 
     def logits(self, hidden: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:

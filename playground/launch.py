@@ -46,6 +46,8 @@ def add_server_args(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda:N")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
 
 
@@ -80,6 +82,8 @@ def build_state(args: argparse.Namespace, adapters: dict[str, LoRARequest]) -> S
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         num_threads=args.threads,
         enable_prefix_caching=not args.no_prefix_caching,
+        device=args.device,
+        enforce_eager=args.enforce_eager,
     )
     engine = LLMEngine(config)
     for adapter in adapters.values():  # load now: a bad adapter fails at start, not per request
