@@ -28,6 +28,7 @@ throughput_x_hf_seq=.. lora_overhead_8=..
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import tempfile
@@ -94,6 +95,9 @@ def sync() -> None:
 
 
 def free_cached() -> None:
+    """Gives the last engine's KV pool and graphs back before the next one sizes its own from
+    free memory (collected first, in case a reference cycle still holds them)."""
+    gc.collect()
     if DEV == "cuda":
         torch.cuda.empty_cache()
 

@@ -5,14 +5,15 @@ positions, slot mapping, attention metadata), runs the model, samples the rows t
 up, and returns plain Python results (the one host sync of the step).
 
 Inputs are built on the host and copied to the model's device; the KV cache and the weights live
-there (CUDA: bf16 by default). The sampled rows' logits come back to the host as float32 in one
-copy, and sampling, verification and logprobs run there, the same code on every device: per-
-request seeds give the same draws on CPU and GPU.
+there (CUDA: bf16 by default). Greedy requests that nothing reshapes (no bias, penalties, bans,
+grammar or logprobs) need only their rows' argmax, taken on the device; the other sampled rows'
+logits come back to the host as float32 in one copy, and sampling, verification and logprobs run
+there, the same code on every device: per-request seeds give the same draws on CPU and GPU.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -21,10 +22,16 @@ from engine.cuda_graphs import GraphRunner
 from engine.device import to_device
 from engine.models.llama import LlamaForCausalLM, ModelConfig
 from engine.request import Request
-from engine.sampler import RequestAt, SamplingBatch, process_logits, top_logprobs
+from engine.sampler import (
+    RequestAt,
+    SamplingBatch,
+    argmax_suffices,
+    process_logits,
+    top_logprobs,
+)
 from engine.scheduler import SchedulerOutput
 from lora.batch import LoRABatch, LoRASlots
-from spec.rejection import VerifyRow, verify
+from spec.rejection import VerifyResult, VerifyRow, verify, verify_greedy
 
 # token id -> (logprob, rank) for one position
 RawLogprobs = dict[int, tuple[float, int]]
@@ -41,6 +48,25 @@ def logprob_entry(token: int, chosen, rank, values, ids, num_top: int) -> RawLog
     for k in range(num_top):
         entry.setdefault(int(ids[k]), (float(values[k]), k + 1))
     return entry
+
+
+def fetch_rows(
+    logits: torch.Tensor,  # [R, V] on the model's device
+    is_fast: list[bool],  # [R] rows for which the argmax is enough
+) -> tuple[list[int] | None, torch.Tensor | None]:
+    """Brings to the host what the step needs of each row: the argmax of every row (taken on
+    the device: R ids cross, not R x V logits) when any row is fast, and the float32 logits of
+    the other rows [R_slow, V] in one copy, which also waits for the ids."""
+    ids = logits.argmax(dim=-1) if any(is_fast) else None  # [R]
+    slow = [i for i, fast in enumerate(is_fast) if not fast]
+    host = None
+    if slow:
+        if ids is not None:
+            ids = ids.to("cpu", non_blocking=True)  # ready once the copy below has run
+        if len(slow) < len(is_fast):
+            logits = logits[to_device(torch.tensor(slow), logits.device)]
+        host = logits.float().cpu()
+    return (ids.tolist() if ids is not None else None), host
 
 
 def mask_logits(masker, logits: torch.Tensor, rows: list[tuple[Request, list[int]]]) -> None:
@@ -179,10 +205,13 @@ class ModelRunner:
 
     def logits(self, hidden: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
         """[len(rows) or M, vocab] float32 on the host: the LM head over these rows of hidden."""
+        return self.device_logits(hidden, rows).float().cpu()
+
+    def device_logits(self, hidden: torch.Tensor, rows: list[int] | None) -> torch.Tensor:
+        """[len(rows) or M, vocab] in the model's dtype, on its device."""
         if rows is not None:
             hidden = hidden[to_device(torch.tensor(rows, dtype=torch.long), self.device)]
-        logits = self.model.compute_logits(hidden)[:, : self.cfg.vocab_size]
-        return logits.float().cpu()
+        return self.model.compute_logits(hidden)[:, : self.cfg.vocab_size]
 
     def _lora_batch(self, items: list[ForwardItem]) -> LoRABatch | None:
         if self.lora_slots is None:
@@ -243,30 +272,66 @@ class ModelRunner:
                     mask_rows.append((member, drafts[:j]))
         if not rows:
             return
-        logits = self.logits(hidden, rows)  # [R, V]
-        if self.logits_masker is not None:
-            mask_logits(self.logits_masker, logits, mask_rows)
-        batch = SamplingBatch.from_requests(views, self.cfg.vocab_size)
-        verdicts = verify(process_logits(logits, batch), spans, self.generator)
-        lp_rows, lp_tokens, lp_members = [], [], []
+        # Greedy requests that nothing reshapes need only their rows' argmax; the others' rows
+        # go through grammar masks and the logits pipeline on the host.
+        is_fast = [argmax_suffices(m) for m in span_members]
+        row_is_fast = [f for s, f in zip(spans, is_fast, strict=True) for _ in range(s.num_rows)]
+        argmax, host = fetch_rows(self.device_logits(hidden, rows), row_is_fast)
+        slow = [i for i, fast in enumerate(is_fast) if not fast]
+        verdicts: list[VerifyResult | None] = [None] * len(spans)
+        if slow:
+            host_rows = [r for r, fast in enumerate(row_is_fast) if not fast]
+            on_host = self._verify_on_host(
+                host,
+                [spans[i] for i in slow],
+                [span_members[i] for i in slow],
+                [views[r] for r in host_rows],
+                [mask_rows[r] for r in host_rows],
+                result,
+            )
+            for i, verdict in zip(slow, on_host, strict=True):
+                verdicts[i] = verdict
+        for i in (i for i, fast in enumerate(is_fast) if fast):
+            verdicts[i] = verify_greedy(spans[i], argmax)
         for span, member, verdict in zip(spans, span_members, verdicts, strict=True):
             result.sampled.append((member, verdict.tokens))
             if span.drafts:
                 result.num_accepted[member] = verdict.num_accepted
+
+    def _verify_on_host(
+        self,
+        host: torch.Tensor,  # [R, V] float32, these spans' rows one after another
+        spans: list[VerifyRow],  # their starts index the step's rows, not host's
+        members: list[Request],
+        views: list[Request | RequestAt],  # [R] what the logits pipeline sees at each row
+        mask_rows: list[tuple[Request, list[int]]],  # [R] grammar (request, drafts before)
+        result: StepResult,
+    ) -> list[VerifyResult]:
+        """Grammar masks, the logits pipeline, verification and the logprobs asked for."""
+        host_spans, row = [], 0
+        for span in spans:
+            host_spans.append(replace(span, start=row))
+            row += span.num_rows
+        if self.logits_masker is not None:
+            mask_logits(self.logits_masker, host, mask_rows)
+        batch = SamplingBatch.from_requests(views, self.cfg.vocab_size)
+        verdicts = verify(process_logits(host, batch), host_spans, self.generator)
+        lp_rows, lp_tokens, lp_members = [], [], []
+        for span, member, verdict in zip(host_spans, members, verdicts, strict=True):
             if member.params.logprobs is not None:
                 lp_rows += range(span.start, span.start + len(verdict.tokens))
                 lp_tokens += verdict.tokens
                 lp_members += [member] * len(verdict.tokens)
         if lp_rows:
-            idx = torch.tensor(lp_rows)
             num_top = max(m.params.logprobs for m in lp_members)
-            lp = torch.log_softmax(logits[idx], dim=-1)
+            lp = torch.log_softmax(host[torch.tensor(lp_rows)], dim=-1)
             chosen, rank, values, ids = top_logprobs(lp, torch.tensor(lp_tokens), num_top)
             for j, (member, token) in enumerate(zip(lp_members, lp_tokens, strict=True)):
                 entry = logprob_entry(
                     token, chosen[j], rank[j], values[j], ids[j], member.params.logprobs
                 )
                 result.logprobs.setdefault(member, []).append(entry)
+        return verdicts
 
     def _prompt_logprobs(self, hidden, items: list[ForwardItem], result: StepResult) -> None:
         start_row = 0

@@ -106,6 +106,26 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
             row_logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
 
+def keeps_argmax(request: Request) -> bool:
+    """Whether process_logits and the grammar mask leave this request's argmax where its raw
+    logits have it: no logit bias, penalties or grammar, and min_tokens reached (its bans end
+    once it has min_tokens outputs; drafts only add outputs). Temperature, top-k, top-p and
+    min-p always keep the largest logit."""
+    p = request.params
+    return (
+        not p.logit_bias
+        and not p.has_penalties
+        and request.num_output_tokens >= p.min_tokens
+        and request.grammar is None
+    )
+
+
+def argmax_suffices(request: Request) -> bool:
+    """Whether this request's next tokens (and its drafts' verdicts) are its raw logits' argmax
+    and nothing more is needed from its rows: greedy, no logprobs, keeps_argmax."""
+    return request.params.is_greedy and request.params.logprobs is None and keeps_argmax(request)
+
+
 def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """[M, V] raw logits -> [M, V] logits of the distribution to sample (-inf = excluded).
     Greedy rows are left unscaled: their argmax is taken directly."""

@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from engine.model_runner import ForwardItem, ModelRunner, mask_logits
+from engine.model_runner import ForwardItem, ModelRunner, fetch_rows, mask_logits
 from engine.request import Request
-from engine.sampler import RequestAt, SamplingBatch, process_logits
+from engine.sampler import RequestAt, SamplingBatch, keeps_argmax, process_logits
 from engine.scheduler import SchedulerOutput
 from spec.proposer import drafts_wanted
 
@@ -50,7 +50,7 @@ class DraftModelProposer:
             request.num_draft_computed = start + len(tokens)
         t0 = time.perf_counter()
         hidden = self.runner.forward(items, tables)
-        self._extend(self.runner.logits(hidden, last_rows), [r for r, _ in wanting])
+        self._extend(self.runner.device_logits(hidden, last_rows), [r for r, _ in wanting])
         self.pass_times.append((row, time.perf_counter() - t0))
         for step in range(1, max(k for _, k in wanting)):
             t0 = time.perf_counter()
@@ -62,16 +62,24 @@ class DraftModelProposer:
             hidden = self.runner.forward(items, tables)
             for r in active:
                 r.num_draft_computed += 1
-            self._extend(self.runner.logits(hidden), active)
+            self._extend(self.runner.device_logits(hidden, None), active)
             self.pass_times.append((len(active), time.perf_counter() - t0))
 
     def _extend(self, logits: torch.Tensor, requests: list[Request]) -> None:
-        """Append each request's next greedy draft (logits [R, V] on the host), under its own
-        logits pipeline."""
-        if self.logits_masker is not None:  # propose only what the grammar allows
-            mask_logits(self.logits_masker, logits, [(r, r.spec_token_ids) for r in requests])
-        views = [RequestAt(r, r.spec_token_ids) for r in requests]
-        batch = SamplingBatch.from_requests(views, self.runner.cfg.vocab_size)
-        tokens = process_logits(logits, batch).argmax(dim=-1).tolist()
+        """Append each request's next greedy draft (logits [R, V] on the device), under its own
+        logits pipeline: on the host for the requests whose pipeline can move the argmax."""
+        is_fast = [keeps_argmax(r) for r in requests]
+        tokens, host = fetch_rows(logits, is_fast)
+        if host is not None:
+            slow = [i for i, fast in enumerate(is_fast) if not fast]
+            if self.logits_masker is not None:  # propose only what the grammar allows
+                rows = [(requests[i], requests[i].spec_token_ids) for i in slow]
+                mask_logits(self.logits_masker, host, rows)
+            views = [RequestAt(requests[i], requests[i].spec_token_ids) for i in slow]
+            batch = SamplingBatch.from_requests(views, self.runner.cfg.vocab_size)
+            slow_tokens = process_logits(host, batch).argmax(dim=-1).tolist()
+            tokens = tokens or [-1] * len(requests)
+            for i, token in zip(slow, slow_tokens, strict=True):
+                tokens[i] = token
         for r, token in zip(requests, tokens, strict=True):
             r.spec_token_ids.append(token)

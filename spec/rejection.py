@@ -47,6 +47,10 @@ class VerifyRow:
     greedy: bool
     generator: torch.Generator | None  # the request's own (seeded) generator, if any
 
+    @property
+    def num_rows(self) -> int:
+        return len(self.drafts) + 1
+
 
 @dataclass(slots=True)
 class VerifyResult:
@@ -78,7 +82,7 @@ def verify(
     results: list[VerifyResult] = []
     for i, row in enumerate(rows):
         if row.greedy:
-            results.append(_verify_greedy(row, argmax))
+            results.append(verify_greedy(row, argmax))
         elif i in drawn:
             results.append(VerifyResult([drawn[i]], 0))
         else:
@@ -86,7 +90,7 @@ def verify(
     return results
 
 
-def _verify_greedy(row: VerifyRow, argmax: list[int]) -> VerifyResult:
+def verify_greedy(row: VerifyRow, argmax: list[int]) -> VerifyResult:
     tokens = []
     for j, draft in enumerate(row.drafts):
         target = argmax[row.start + j]

@@ -392,3 +392,83 @@ def test_seeded_request_through_engine_any_batch_position(sampler_model):
     assert first == alone and last == alone
     other_seed = SamplingParams(temperature=1.0, seed=43, max_tokens=12, ignore_eos=True)
     assert tokens([prompt], [other_seed], 0) != alone  # the seed matters: not vacuous
+
+
+def test_argmax_suffices_only_for_plain_greedy(tiny_llama):
+    from engine.sampler import argmax_suffices
+
+    llm = LLM(str(tiny_llama), num_kv_blocks=16)
+    plain = dict(temperature=0, max_tokens=4)
+    cases = {
+        "plain": (SamplingParams(**plain), True),
+        "sampled": (SamplingParams(temperature=0.7, max_tokens=4), False),
+        "logprobs": (SamplingParams(**plain, logprobs=0), False),
+        "bias": (SamplingParams(**plain, logit_bias={3: 1.0}), False),
+        "penalty": (SamplingParams(**plain, repetition_penalty=1.2), False),
+        "min_tokens": (SamplingParams(**plain, min_tokens=2), False),
+        "regex": (SamplingParams(**plain, structured_outputs={"regex": "[a-c]+"}), False),
+    }
+    for name, (params, _) in cases.items():
+        llm.engine.add_request(name, [5, 6, 7], params)
+    requests = {r.request_id: r for r in llm.engine.scheduler.waiting}
+    assert {name: argmax_suffices(requests[name]) for name in cases} == {
+        name: want for name, (_, want) in cases.items()
+    }
+
+
+def mixed_greedy_workload() -> tuple[list[list[int]], list[SamplingParams]]:
+    """Greedy requests the fast path serves, next to greedy ones the full pipeline must shape
+    (bias, penalty, min_tokens, logprobs, a grammar) and sampled ones, with n-gram drafts."""
+    base = dict(temperature=0, max_tokens=12, ignore_eos=True)
+    params = [
+        SamplingParams(**base),
+        SamplingParams(**base, logit_bias={17: 8.0, 40: 5.0}),
+        SamplingParams(**base, repetition_penalty=1.8),
+        SamplingParams(**{**base, "ignore_eos": False}, min_tokens=6),
+        SamplingParams(**base, logprobs=3),
+        SamplingParams(**base, structured_outputs={"regex": "[a-f]{3,9}"}),
+        SamplingParams(temperature=0.9, seed=5, max_tokens=12, ignore_eos=True),
+        SamplingParams(**base, n=2),
+    ]
+    prompts = [[9 + i, 10, 11, 12] * 4 for i in range(len(params))]  # repeats: n-gram drafts
+    return prompts, params
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("broken", [False, True])
+def test_device_argmax_path_equals_full_pipeline(tiny_llama, monkeypatch, method, broken):
+    """Rows of plain greedy requests are decided by their argmax alone, and a draft model's
+    proposals for requests whose pipeline cannot move the argmax too: every request's tokens,
+    logprobs and speculation counts equal those of the full host pipeline for every row. A
+    predicate that lets every greedy request (every draft) skip the pipeline fails."""
+    import engine.model_runner as model_runner
+    import spec.draft_model as draft
+
+    prompts, params = mixed_greedy_workload()
+    spec_args = (
+        dict(speculative_method="ngram", adaptive_speculation=False)
+        if method == "ngram"
+        else dict(draft_model=str(tiny_llama), adaptive_speculation=False)  # drafts that hit
+    )
+
+    def run(is_fast, keeps):
+        monkeypatch.setattr(model_runner, "argmax_suffices", is_fast)
+        monkeypatch.setattr(draft, "keeps_argmax", keeps)
+        llm = LLM(str(tiny_llama), num_kv_blocks=128, **spec_args)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.kv.pool.num_free == llm.engine.kv.pool.num_usable
+        spec = [
+            (s.num_drafts, s.num_accepted, s.accepted_at) for s in (o.metrics.spec for o in outs)
+        ]
+        return [[(c.token_ids, c.logprobs) for c in o.outputs] for o in outs], spec
+
+    from engine.sampler import argmax_suffices, keeps_argmax
+
+    never = lambda request: False  # noqa: E731
+    full = run(never, never)
+    if not broken:
+        assert run(argmax_suffices, keeps_argmax) == full
+    elif method == "ngram":
+        assert run(lambda request: request.params.is_greedy, never) != full
+    else:
+        assert run(never, lambda request: True) != full
