@@ -83,6 +83,14 @@ def resolve_backend(
     return name
 
 
+def slot_ids(block_table: list[int], start: int, num_tokens: int, block_size: int) -> list[int]:
+    """The KV cache slots of a request's positions start .. start + num_tokens - 1."""
+    return [
+        block_table[p // block_size] * block_size + p % block_size
+        for p in range(start, start + num_tokens)
+    ]
+
+
 def split_by_length(lens: list[int], overhead: int) -> list[tuple[int, int]]:
     """Cut lens (sorted descending) into runs minimising sum(len(run) * run[0]) + overhead each.
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.attention import AttentionMetadata, VarlenBatch
+from engine.attention import AttentionMetadata, VarlenBatch, slot_ids
 
 if TYPE_CHECKING:
     from engine.model_runner import ForwardItem
@@ -115,9 +115,7 @@ class GraphRunner:
             base = b * q
             ids[base : base + n] = item.token_ids
             positions[base : base + n] = range(item.start, item.start + n)
-            slots[base : base + n] = [
-                table[p // bs] * bs + p % bs for p in range(item.start, item.start + n)
-            ]
+            slots[base : base + n] = slot_ids(table, item.start, n, bs)
             rows.extend(range(base, base + n))
             seq_lens[b] = item.start + q
             width = max(width, -(-seq_lens[b] // bs))

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from engine.attention import build_metadata
+from engine.attention import build_metadata, slot_ids
 from engine.cuda_graphs import GraphRunner
 from engine.device import to_device
 from engine.models.llama import LlamaForCausalLM, ModelConfig
@@ -185,7 +185,7 @@ class ModelRunner:
             input_ids.extend(item.token_ids)
             pos = range(item.start, item.start + n)
             positions.extend(pos)
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            slots += slot_ids(table, item.start, n, bs)
             seq_lens.append(item.start + n)
             query_lens.append(n)
             item_tables.append(table)

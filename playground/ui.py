@@ -117,7 +117,7 @@ class Playground:
         pieces = views.TokenPieces(state.tokenizer)
         start = time.monotonic()
         try:
-            async for out in stream:  # noqa: B007 - the last one is the finished output
+            async for out in stream:
                 c = out.outputs[0]
                 texts = pieces.update(c.token_ids)
                 rejected = [(pos, state.tokenizer.decode(ids_)) for pos, ids_ in c.rejected_drafts]
