@@ -19,6 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
+# Splits the decode merge reads per iteration: [MERGE_SPLITS, head_dim] fp32 stays in registers.
+MERGE_SPLITS = 32
+
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if v_cache.shape != k_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -375,23 +378,34 @@ def _decode_merge_kernel(
     num_splits,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # splits merged per iteration
 ):
+    """The splits' outputs weighted by their share of the softmax, BLOCK_S splits at a time
+    with a running maximum (a long context's hundreds of splits in one tile would spill)."""
     row = tl.program_id(0)  # b * Hq + h
-    s = tl.arange(0, BLOCK_S)
-    s_valid = s < num_splits
-    lse = tl.load(part_lse_ptr + row * num_splits + s, mask=s_valid, other=float("-inf"))
-    top = tl.max(lse, axis=0)
-    weights = tl.where(s_valid, tl.exp(lse - top), 0.0)
-    weights = weights / tl.sum(weights, axis=0)
     d = tl.arange(0, BLOCK_D)
-    parts = tl.load(
-        part_out_ptr + (row * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
-        mask=s_valid[:, None] & (d < HEAD_DIM)[None, :],
-        other=0.0,
-    )
-    out = tl.sum(parts * weights[:, None], axis=0)
-    tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    d_valid = d < HEAD_DIM
+    top = float("-inf")  # the largest log-sum-exp so far
+    total = 0.0  # sum of exp(lse - top) so far
+    acc = tl.zeros([BLOCK_D], tl.float32)  # sum of exp(lse - top) * output so far
+    for first in range(0, num_splits, BLOCK_S):
+        s = first + tl.arange(0, BLOCK_S)
+        s_valid = s < num_splits
+        lse = tl.load(part_lse_ptr + row * num_splits + s, mask=s_valid, other=float("-inf"))
+        new_top = tl.maximum(top, tl.max(lse, axis=0))
+        safe_top = tl.where(new_top == float("-inf"), 0.0, new_top)
+        correction = tl.exp(top - safe_top)
+        weights = tl.exp(lse - safe_top)  # 0 for splits that saw no key and for padding
+        parts = tl.load(
+            part_out_ptr + (row * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
+            mask=s_valid[:, None] & d_valid[None, :],
+            other=0.0,
+        )
+        acc = acc * correction + tl.sum(parts * weights[:, None], axis=0)
+        total = total * correction + tl.sum(weights, axis=0)
+        top = new_top
+    out = acc / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty), mask=d_valid)
 
 
 def paged_decode_attention(
@@ -453,6 +467,6 @@ def paged_decode_attention(
         num_splits,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        BLOCK_S=min(MERGE_SPLITS, max(2, triton.next_power_of_2(num_splits))),
     )
     return out

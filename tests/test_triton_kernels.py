@@ -199,6 +199,24 @@ def test_split_decode_merge_is_not_a_plain_average():
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_split_decode_merges_more_splits_than_one_tile():
+    """Over MERGE_SPLITS splits the merge runs in several passes with a running maximum: the
+    dominant split sits in a later pass than the first, so a merge that does not rescale what
+    it summed before fails."""
+    from kernels.triton_attention import MERGE_SPLITS, paged_decode_attention
+
+    gen = torch.Generator().manual_seed(4)
+    ctx_lens = [0, 40 * 16, 3 * MERGE_SPLITS * 16 + 5]
+    q, k_cache, v_cache, tables, starts, seq_lens = ragged_batch(
+        [1] * len(ctx_lens), ctx_lens, 4, 2, 16, 16, gen, torch.float32
+    )
+    for b in (1, 2):
+        k_cache[:, tables[b, MERGE_SPLITS + 3]] *= 6  # the second pass's keys dominate
+    got = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 1.0, 1)
+    want = reference.varlen_paged_attention(q, k_cache, v_cache, tables, starts, seq_lens, 1.0)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_split_decode_bf16_on_gpu():
