@@ -166,20 +166,21 @@ def test_backend_choice():
         resolve_backend("triton", 4096)
 
 
-@pytest.mark.parametrize("blocks_per_split", [1, 2, 16])
+@pytest.mark.parametrize("num_splits", [1, 3, 16, None])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (4, 2), (4, 1)])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_split_decode_equals_reference(blocks_per_split, num_heads, num_kv_heads, block_size):
+def test_split_decode_equals_reference(num_splits, num_heads, num_kv_heads, block_size):
     """Contexts split across programs and merged: equal to the reference for short contexts
-    (one split, most splits empty), block edges, and contexts over many splits."""
+    (fewer blocks than splits: most splits store nothing), block edges, uneven cuts, and
+    contexts over many splits; None is the launcher's own choice."""
     from kernels.triton_attention import paged_decode_attention
 
-    ctx_lens = [0, 15, 16, 47, 100]
-    gen = torch.Generator().manual_seed(blocks_per_split + 10 * num_heads + block_size)
+    ctx_lens = [0, 15, 16, 47, 100, 300]
+    gen = torch.Generator().manual_seed((num_splits or 0) + 10 * num_heads + block_size)
     q, k_cache, v_cache, tables, starts, seq_lens = ragged_batch(
         [1] * len(ctx_lens), ctx_lens, num_heads, num_kv_heads, 16, block_size, gen, torch.float32
     )
-    got = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25, blocks_per_split)
+    got = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25, num_splits)
     want = reference.varlen_paged_attention(q, k_cache, v_cache, tables, starts, seq_lens, 0.25)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
@@ -194,9 +195,28 @@ def test_split_decode_merge_is_not_a_plain_average():
         [1], [100], 2, 2, 16, 16, gen, torch.float32
     )
     k_cache[:, tables[0, 0]] *= 4  # the first split's keys dominate
-    got = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 1.0, 1)
+    got = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 1.0, 7)
     want = reference.varlen_paged_attention(q, k_cache, v_cache, tables, starts, seq_lens, 1.0)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_split_decode_ignores_the_table_width():
+    """A CUDA graph's block table is as wide as the longest context allowed: the splits follow
+    each request's own context, so a table padded 40x wider gives the very same result, and
+    the launcher's split count depends on the batch's shape, not on that width."""
+    from kernels.triton_attention import decode_splits, paged_decode_attention
+
+    gen = torch.Generator().manual_seed(5)
+    q, k_cache, v_cache, tables, _, seq_lens = ragged_batch(
+        [1, 1, 1], [3, 40, 90], 4, 2, 16, 16, gen, torch.float32
+    )
+    wide = torch.zeros(3, 40 * tables.shape[1], dtype=tables.dtype, device=tables.device)
+    wide[:, : tables.shape[1]] = tables
+    narrow = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25, 5)
+    assert torch.equal(paged_decode_attention(q, k_cache, v_cache, wide, seq_lens, 0.25, 5), narrow)
+    assert decode_splits(8, 8, 513) == decode_splits(8, 8, 8193) == 32
+    assert decode_splits(1, 8, 8193) == 64 and decode_splits(1, 8, 3) == 3  # at most the blocks
+    assert decode_splits(256, 8, 8193) == 1
 
 
 def test_split_decode_merges_more_splits_than_one_tile():
@@ -206,13 +226,14 @@ def test_split_decode_merges_more_splits_than_one_tile():
     from kernels.triton_attention import MERGE_SPLITS, paged_decode_attention
 
     gen = torch.Generator().manual_seed(4)
-    ctx_lens = [0, 40 * 16, 3 * MERGE_SPLITS * 16 + 5]
+    num_splits = 3 * MERGE_SPLITS
+    ctx_lens = [0, 40 * 16, num_splits * 16 + 5]  # blocks: 41 (41 splits live), 97 (49 live)
     q, k_cache, v_cache, tables, starts, seq_lens = ragged_batch(
         [1] * len(ctx_lens), ctx_lens, 4, 2, 16, 16, gen, torch.float32
     )
-    for b in (1, 2):
-        k_cache[:, tables[b, MERGE_SPLITS + 3]] *= 6  # the second pass's keys dominate
-    got = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 1.0, 1)
+    k_cache[:, tables[1, MERGE_SPLITS + 3]] *= 6  # a second pass's keys dominate
+    k_cache[:, tables[2, 2 * (MERGE_SPLITS + 3)]] *= 6  # 2 blocks per split there
+    got = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 1.0, num_splits)
     want = reference.varlen_paged_attention(q, k_cache, v_cache, tables, starts, seq_lens, 1.0)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
