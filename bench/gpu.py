@@ -11,7 +11,9 @@ synchronize for whole runs; model loading and warm-up are excluded.
 
 - copy: device-to-device copy of 1 GiB, bandwidth = bytes read + written / time (the roofline).
 - attention: `paged_decode_attention` at 32 requests x contexts 1k..32k (1B's heads: 32 query,
-  8 KV, dim 64; scattered blocks of 16), bandwidth = K/V bytes read / time, against copy.
+  8 KV, dim 64; scattered blocks of 16), bandwidth = K/V bytes read / time, against copy; the
+  same with a 4x wider block table (a CUDA graph's), and verification (1 + 4 queries per
+  request, `paged_attention`).
 - lora: one decode step's projections of every layer (1B) at 64 rows, base only vs. base plus the
   SGMV kernels (lora.batch.LoRABatch on the Triton path) with 8 distinct rank-16 adapters on all
   seven projections, 8 rows each.
@@ -21,7 +23,8 @@ synchronize for whole runs; model loading and warm-up are excluded.
 - sweep: the engine at batch 1..128 (prompt 128, 128 new tokens, EOS ignored, greedy) against
   HF `generate` one request at a time (sequential) and in static batches of the same size.
 
-Last line: RESULT decode_attention_bw_ratio=.. decode_roofline_fraction_1b=..
+Last line: RESULT decode_attention_bw_ratio=.. verify_attention_bw_ratio=..
+decode_roofline_fraction_1b=..
 throughput_x_hf_seq=.. lora_overhead_8=..
 """
 
@@ -33,6 +36,7 @@ import json
 import os
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -169,7 +173,10 @@ def param_bytes(path: Path) -> int:
 
 
 def bench_attention(copy_bw: float, quick: bool) -> dict:
-    from kernels.triton_attention import paged_decode_attention
+    """Per context: decode (one query per request), decode with the block table 4x wider (as a
+    CUDA graph's, sized for the longest context allowed), and verification (1 + 4 queries per
+    request, the varlen kernel): K/V bytes read once over time, against copy bandwidth."""
+    from kernels.triton_attention import paged_attention, paged_decode_attention
 
     num_reqs, hq, hkv, contexts = SIZES["attention"]
     dim, bs = 64, 16
@@ -181,17 +188,33 @@ def bench_attention(copy_bw: float, quick: bool) -> dict:
         v_cache = torch.randn_like(k_cache)
         perm = torch.randperm(num_blocks - 1, device=DEV) + 1
         tables = perm.view(num_reqs, blocks_per_req).to(torch.int32)
+        wide = torch.zeros(num_reqs, 4 * blocks_per_req, dtype=torch.int32, device=DEV)
+        wide[:, :blocks_per_req] = tables
         seq_lens = torch.full((num_reqs,), ctx, dtype=torch.int32, device=DEV)
         q = torch.randn(num_reqs, hq, dim, device=DEV, dtype=DTYPE)
-        args = (q, k_cache, v_cache, tables, seq_lens, 0.125)
-        ms = do_bench(lambda args=args: paged_decode_attention(*args))
-        kv_bytes = 2 * num_reqs * ctx * hkv * dim * DTYPE.itemsize  # K and V
-        out[ctx] = {"ms": ms, "bandwidth_gbs": kv_bytes / ms / 1e6}
-        out[ctx]["fraction_of_copy"] = out[ctx]["bandwidth_gbs"] * 1e9 / copy_bw
-        print(
-            f"attention ctx={ctx}: {ms:.3f} ms, {out[ctx]['bandwidth_gbs']:.0f} GB/s, "
-            f"{out[ctx]['fraction_of_copy']:.2f} of copy"
-        )
+        qv = torch.randn(num_reqs * 5, hq, dim, device=DEV, dtype=DTYPE)  # 1 + 4 queries each
+        starts = torch.arange(num_reqs + 1, dtype=torch.int32, device=DEV) * 5
+        scale = dim**-0.5
+        decode, verify = paged_decode_attention, paged_attention
+        runs = {
+            "decode": partial(decode, q, k_cache, v_cache, tables, seq_lens, scale),
+            "decode_wide_table": partial(decode, q, k_cache, v_cache, wide, seq_lens, scale),
+            "verify": partial(verify, qv, k_cache, v_cache, tables, starts, seq_lens, scale, 5),
+        }
+        kv_bytes = 2 * num_reqs * ctx * hkv * dim * DTYPE.itemsize  # K and V, read once
+        out[ctx] = {}
+        for kind, fn in runs.items():
+            ms = do_bench(fn)
+            gbs = kv_bytes / ms / 1e6
+            out[ctx][kind] = {
+                "ms": ms,
+                "bandwidth_gbs": gbs,
+                "fraction_of_copy": gbs * 1e9 / copy_bw,
+            }
+            print(
+                f"attention {kind} ctx={ctx}: {ms:.3f} ms, {gbs:.0f} GB/s, "
+                f"{gbs * 1e9 / copy_bw:.2f} of copy"
+            )
     return out
 
 
@@ -403,13 +426,15 @@ def main(argv: list[str] | None = None) -> int:
         return "n/a" if v is None else f"{v:.3f}"
 
     att = results.get("attention")
-    longest = att[max(att)]["fraction_of_copy"] if att else None
+    longest = att[max(att)]["decode"]["fraction_of_copy"] if att else None
+    verify = att[max(att)]["verify"]["fraction_of_copy"] if att else None
     dec = results.get(f"decode_{names[-1]}", {}).get("fraction")
     sweeps = [results[k] for k in results if k.startswith("sweep_")]
     best_x = max((r["x_hf_seq"] for s in sweeps for r in s["batches"].values()), default=None)
     lora = results.get("lora", {}).get("overhead")
     print(
-        f"RESULT decode_attention_bw_ratio={fmt(longest)} decode_roofline_fraction_1b={fmt(dec)} "
+        f"RESULT decode_attention_bw_ratio={fmt(longest)} verify_attention_bw_ratio={fmt(verify)} "
+        f"decode_roofline_fraction_1b={fmt(dec)} "
         f"throughput_x_hf_seq={fmt(best_x)} lora_overhead_8={fmt(lora)}"
     )
     return 0

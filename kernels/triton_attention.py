@@ -7,8 +7,9 @@ head_dim]; slot = block * block_size + offset; block 0 is the null block.
 - `store_kv`: write new tokens' K/V at their slots (slot -1: padding, skipped).
 - `paged_attention`: variable-length queries over paged KV with causal masking, one launch for
   a batch that mixes decodes (1 query), speculative verification (1 + k queries) and prefill
-  chunks (many queries); GQA. One program per (request, query tile, query head); it walks the
-  request's blocks with an online softmax and stops at the last key its queries may see.
+  chunks (many queries); GQA. One program per (request, query tile, KV head) serving every
+  query head of the group; it walks the request's blocks with an online softmax and stops at
+  the last key its queries may see.
 - `paged_decode_attention`: one query per request, each context split across programs
   (split-KV) and merged by log-sum-exp; one program serves all query heads of a KV head. The
   number of splits follows the batch's shape, each split's length the request's context.
@@ -24,6 +25,9 @@ import triton.language as tl
 # an H100's 132 SMs), the most splits per request, and how many splits the merge reads per
 # iteration ([MERGE_SPLITS, head_dim] fp32 stays in registers).
 DECODE_PROGRAMS = 2048
+# Elements of a varlen program's [rows, head_dim] query and output tiles, rows being query
+# tokens x query heads of a KV group: 64 rows at head dim 64, 32 at 128 (more spills on a GPU).
+VARLEN_TILE = 4096
 MAX_SPLITS = 64
 MERGE_SPLITS = 32
 
@@ -209,29 +213,31 @@ def _paged_attention_kernel(
     stride_ch,  # cache head stride
     stride_bt,  # block table row stride
     GROUP: tl.constexpr,  # query heads per KV head
+    BLOCK_G: tl.constexpr,  # GROUP padded to a power of two
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,  # query tokens per program
 ):
+    """One program per (request, tile of BLOCK_M query tokens, KV head): its rows are every
+    (token, query head of the group) pair, so each block of K/V is read once for the whole
+    group rather than once per query head."""
     req = tl.program_id(0)
     tile = tl.program_id(1)
-    head = tl.program_id(2)
-    kv_head = head // GROUP
+    kv_head = tl.program_id(2)
     q_start = tl.load(query_start_ptr + req)
     q_len = tl.load(query_start_ptr + req + 1) - q_start
     if tile * BLOCK_M < q_len:
         seq_len = tl.load(seq_lens_ptr + req)
         context_len = seq_len - q_len
-        m = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the request
-        m_valid = m < q_len
+        r = tl.arange(0, BLOCK_M * BLOCK_G)  # row = token * BLOCK_G + head in the group
+        m = tile * BLOCK_M + r // BLOCK_G  # query index within the request
+        g = r % BLOCK_G
+        valid = (m < q_len) & (g < GROUP)
         d = tl.arange(0, BLOCK_D)
-        d_valid = d < HEAD_DIM
-        q = tl.load(
-            q_ptr + (q_start + m)[:, None] * stride_qt + head * stride_qh + d[None, :],
-            mask=m_valid[:, None] & d_valid[None, :],
-            other=0.0,
-        ).to(tl.float32)
+        mask = valid[:, None] & (d < HEAD_DIM)[None, :]
+        offsets = (q_start + m)[:, None] * stride_qt + (kv_head * GROUP + g)[:, None] * stride_qh
+        q = tl.load(q_ptr + offsets + d[None, :], mask=mask, other=0.0).to(tl.float32)
         q_pos = context_len + m  # absolute positions of the queries
         # Keys up to the last query's position: the tile's causal horizon.
         last = tl.minimum(context_len + (tile + 1) * BLOCK_M, seq_len)
@@ -247,17 +253,13 @@ def _paged_attention_kernel(
             stride_ch,
             seq_len,
             scale,
-            BLOCK_M,
+            BLOCK_M * BLOCK_G,
             BLOCK_SIZE,
             HEAD_DIM,
             BLOCK_D,
         )
         out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
-        tl.store(
-            out_ptr + (q_start + m)[:, None] * stride_qt + head * stride_qh + d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=m_valid[:, None] & d_valid[None, :],
-        )
+        tl.store(out_ptr + offsets + d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def paged_attention(
@@ -269,7 +271,6 @@ def paged_attention(
     seq_lens: torch.Tensor,  # [B] int: tokens with KV in the cache, the new ones included
     scale: float,
     max_query_len: int,
-    block_m: int = 16,
 ) -> torch.Tensor:  # [T, Hq, D]
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_cache.shape
@@ -283,8 +284,10 @@ def paged_attention(
     out = torch.empty_like(q)
     if num_tokens == 0 or num_reqs == 0:
         return out
-    block_m = max(16, min(block_m, triton.next_power_of_2(max(max_query_len, 1))))
-    grid = (num_reqs, triton.cdiv(max(max_query_len, 1), block_m), num_heads)
+    block_g = triton.next_power_of_2(num_heads // num_kv_heads)
+    block_d = triton.next_power_of_2(head_dim)
+    block_m = varlen_block_m(max_query_len, block_g, block_d)
+    grid = (num_reqs, triton.cdiv(max(max_query_len, 1), block_m), num_kv_heads)
     _paged_attention_kernel[grid](
         q,
         k_cache,
@@ -299,12 +302,21 @@ def paged_attention(
         k_cache.stride(0),
         block_tables.stride(0),
         GROUP=num_heads // num_kv_heads,
+        BLOCK_G=block_g,
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_D=block_d,
         BLOCK_M=block_m,
     )
     return out
+
+
+def varlen_block_m(max_query_len: int, block_g: int, block_d: int) -> int:
+    """Query tokens per program: the longest query rounded up to a power of two, at most what
+    keeps tokens x padded group x head dim within VARLEN_TILE, and at least 16 rows (tl.dot's
+    minimum)."""
+    most = max(1, VARLEN_TILE // (block_g * block_d))
+    return max(min(triton.next_power_of_2(max(max_query_len, 1)), most), triton.cdiv(16, block_g))
 
 
 @triton.jit

@@ -68,7 +68,7 @@ CASES = [
 
 
 @pytest.mark.parametrize(("q_lens", "ctx_lens"), CASES)
-@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (4, 2), (4, 1)])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (4, 2), (4, 1), (6, 2)])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_paged_attention_equals_reference(q_lens, ctx_lens, num_heads, num_kv_heads, block_size):
     gen = torch.Generator().manual_seed(sum(q_lens) + 7 * sum(ctx_lens) + num_heads)
@@ -167,7 +167,7 @@ def test_backend_choice():
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 16, None])
-@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (4, 2), (4, 1)])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (4, 2), (4, 1), (6, 2)])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_split_decode_equals_reference(num_splits, num_heads, num_kv_heads, block_size):
     """Contexts split across programs and merged: equal to the reference for short contexts
