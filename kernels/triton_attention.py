@@ -25,11 +25,11 @@ import triton.language as tl
 # an H100's 132 SMs), the most splits per request, and how many splits the merge reads per
 # iteration ([MERGE_SPLITS, head_dim] fp32 stays in registers).
 DECODE_PROGRAMS = 2048
+MAX_SPLITS = 64
+MERGE_SPLITS = 32
 # Elements of a varlen program's [rows, head_dim] query and output tiles, rows being query
 # tokens x query heads of a KV group: 64 rows at head dim 64, 32 at 128 (more spills on a GPU).
 VARLEN_TILE = 4096
-MAX_SPLITS = 64
-MERGE_SPLITS = 32
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
