@@ -45,9 +45,9 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 # Shared memory one block may use (opt-in maximum), per compute capability.
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 GRID_LIMIT = (2**31 - 1, 65535, 65535)
-# Registers spilled to local memory, bytes per thread, that count as a failure. ptxas, run with
-# Triton's flags, parks a few values of the varlen attention kernel's loop (24 B on sm_90 at
-# bf16, block 16); a tile that does not fit spills hundreds.
+# Registers spilled to local memory, bytes per thread, over which a launch fails. ptxas, run
+# with Triton's flags, parks a few values of a loop now and then (4 B for the varlen kernel on
+# sm_80 at Qwen2.5-1.5B's shapes); a tile that does not fit spills hundreds.
 SPILL_BUDGET = 32
 KERNEL_MODULES = ("kernels.triton_attention", "kernels.triton_lora")
 
@@ -167,24 +167,52 @@ def _lora_launches(shape: dict, dtype: torch.dtype, rank: int) -> None:
         lora_expand(shrunk, b, y, 0, rows, seg_starts, seg_slots, 8)
 
 
+@dataclass
+class _Bound:
+    """A launch's arguments as Triton's launcher specializes them for one architecture."""
+
+    launch: Launch
+    target: object  # triton.backends.compiler.GPUTarget
+    backend: object
+    kwargs: dict
+    bound: dict
+    specialization: list
+    options: object
+
+    @classmethod
+    def of(cls, launch: Launch, arch: int) -> _Bound:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import make_backend
+        from triton.runtime.jit import create_function_from_signature
+
+        kernel, kwargs = launch.kernel, dict(launch.kwargs, debug=False)
+        target = GPUTarget("cuda", arch, 32)
+        backend = make_backend(target)
+        # What JITFunction.run does before it looks up or compiles a kernel.
+        binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+        bound, specialization, options = binder(*launch.args, **kwargs)
+        return cls(launch, target, backend, kwargs, bound, specialization, options)
+
+    def key(self) -> tuple:
+        """Launches with equal keys compile to the same code (Triton's own cache key)."""
+        return (self.launch.kernel.fn.__name__, str(self.specialization), str(self.options))
+
+
 def compile_launch(launch: Launch, arch: int) -> Compiled:
     """Compile one launch for sm_<arch> as Triton's launcher would at run time."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import create_function_from_signature
+    return _compile(_Bound.of(launch, arch))
 
+
+def _compile(b: _Bound) -> Compiled:
+    from triton.compiler import ASTSource
+
+    launch, arch = b.launch, b.target.arch
     result = Compiled(launch, arch, 0.0)
     for dim, (size, limit) in enumerate(zip(launch.grid, GRID_LIMIT, strict=True)):
         if size > limit:
             result.errors.append(f"grid dimension {dim} is {size}, over CUDA's {limit}")
-    kernel, kwargs = launch.kernel, dict(launch.kwargs, debug=False)
-    target = GPUTarget("cuda", arch, 32)
-    backend = make_backend(target)
-    # Triton's own argument specialization (what JITFunction.run does before compiling).
-    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    bound, specialization, options = binder(*launch.args, **kwargs)
-    options, signature, constexprs, attrs = kernel._pack_args(
-        backend, kwargs, bound, specialization, options
+    options, signature, constexprs, attrs = launch.kernel._pack_args(
+        b.backend, b.kwargs, b.bound, b.specialization, b.options
     )
     start = time.perf_counter()
     log = io.StringIO()
@@ -198,8 +226,8 @@ def compile_launch(launch: Launch, arch: int) -> Compiled:
             knobs.nvidia.dump_ptxas_log = True
             knobs.compilation.always_compile = True
             compiled = triton.compile(
-                ASTSource(kernel, signature, constexprs, attrs),
-                target=target,
+                ASTSource(launch.kernel, signature, constexprs, attrs),
+                target=b.target,
                 options=options.__dict__,
             )
     except Exception as exc:  # noqa: BLE001 - any compiler error is the finding
@@ -236,34 +264,20 @@ def check(
 ) -> list[Compiled]:
     """Compile each distinct launch of the given configurations once per architecture (of the
     named kernels only, if given)."""
-    seen: dict[tuple, Launch] = {}
+    launches = []
     for model in models:
         for dtype in dtypes:
             for block_size in block_sizes:
                 for launch in engine_launches(model, DTYPES[dtype], block_size):
-                    if kernels is not None and launch.kernel.fn.__name__ not in kernels:
-                        continue
-                    launch.case = f"{model} {dtype} bs{block_size} {launch.case}"
-                    seen.setdefault(_key(launch), launch)
-    return [compile_launch(launch, arch) for launch in seen.values() for arch in archs]
-
-
-def _key(launch: Launch) -> tuple:
-    """Launches that compile to the same code: same kernel, argument types, constants and
-    alignment (sizes and pointers themselves do not matter beyond that)."""
-
-    def describe(value):
-        if isinstance(value, torch.Tensor):
-            return ("tensor", value.dtype, value.data_ptr() % 16 == 0)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return ("int", value == 1, value % 16 == 0, -(2**31) <= value < 2**31)
-        return (type(value).__name__, value if isinstance(value, str) else None)
-
-    return (
-        launch.kernel.fn.__name__,
-        tuple(describe(a) for a in launch.args),
-        tuple(sorted(launch.kwargs.items())),
-    )
+                    if kernels is None or launch.kernel.fn.__name__ in kernels:
+                        launch.case = f"{model} {dtype} bs{block_size} {launch.case}"
+                        launches.append(launch)
+    distinct: dict[tuple, _Bound] = {}
+    for launch in launches:
+        for arch in archs:
+            bound = _Bound.of(launch, arch)
+            distinct.setdefault((arch, bound.key()), bound)
+    return [_compile(b) for b in distinct.values()]
 
 
 def main(argv: list[str] | None = None) -> int:
