@@ -1,7 +1,7 @@
 """GPU benchmark: the Triton kernels and the engine on CUDA, bf16, against the GPU's own copy
 bandwidth and HF transformers on the same GPU and workload.
 
-    python -m bench.gpu [--parts attention,lora,decode,sweep] [--models smollm2,1b] [--quick]
+    python -m bench.gpu [--parts attention,lora,verify,decode,sweep] [--models smollm2,1b] [--quick]
     python -m bench.gpu --smoke     # the same code on CPU at toy sizes (Triton's interpreter)
 
 Random-weight Llama models, saved as HF directories (safetensors, a word-level tokenizer over
@@ -17,6 +17,10 @@ synchronize for whole runs; model loading and warm-up are excluded.
 - lora: one decode step's projections of every layer (1B) at 64 rows, base only vs. base plus the
   SGMV kernels (lora.batch.LoRABatch on the Triton path) with 8 distinct rank-16 adapters on all
   seven projections, 8 rows each.
+- verify: one speculative step's sampling of 64 temperature-1 requests with 4 one-hot drafts
+  each over the largest model's vocabulary: the engine's path today (the [320, V] logits to the
+  host, then spec.rejection.verify) against kernels.triton_rejection on the device (softmax,
+  noise and both kernels there, 64 x 5 tokens back).
 - decode: the engine at batch 1 (prompt 512, 128 new tokens): decode tokens/s against the
   roofline (weights + the KV read per step, over the copy bandwidth), with CUDA graphs (the
   default) and with enforce_eager=True.
@@ -25,7 +29,7 @@ synchronize for whole runs; model loading and warm-up are excluded.
 
 Last line: RESULT decode_attention_bw_ratio=.. verify_attention_bw_ratio=..
 decode_roofline_fraction_1b=..
-throughput_x_hf_seq=.. lora_overhead_8=..
+throughput_x_hf_seq=.. lora_overhead_8=.. fused_verify_x_host=..
 """
 
 from __future__ import annotations
@@ -77,12 +81,14 @@ MODELS = {
 SIZES = dict(
     attention=(32, 32, 8, [1024, 4096, 16384, 32768]),  # requests, q heads, kv heads, contexts
     lora=(64, 16),  # rows, rank
+    verify=(64, 4),  # requests, drafts each
     decode=(512, 128),  # prompt, new tokens
     sweep=(128, 128, [1, 8, 32, 128], 4),  # prompt, new tokens, batch sizes, hf_seq requests
 )
 SMOKE = dict(
     attention=(2, 4, 2, [64, 128]),
     lora=(16, 8),
+    verify=(4, 2),
     decode=(32, 8),
     sweep=(16, 8, [1, 2], 2),
 )
@@ -264,6 +270,45 @@ def bench_lora(model_dir: Path) -> dict:
     return {"base_ms": base, "lora_ms": lora, "overhead": lora / base - 1}
 
 
+def bench_verify(vocab: int) -> dict:
+    """Sampling a verify step: logits to the host + spec.rejection.verify (the engine today)
+    vs softmax, noise and kernels.triton_rejection on the device."""
+    from kernels.triton_rejection import rejection_verify
+    from spec.rejection import VerifyRow, verify
+
+    num_reqs, num_drafts = SIZES["verify"]
+    rows_each = num_drafts + 1
+    num_rows = num_reqs * rows_each
+    logits = torch.randn(num_rows, vocab, device=DEV, dtype=DTYPE) * 3
+    drafts = logits.view(num_reqs, rows_each, vocab)[:, :-1].argmax(-1)  # [B, d]: often kept
+    rows = [
+        VerifyRow(b * rows_each, drafts[b].tolist(), None, False, None) for b in range(num_reqs)
+    ]
+    generator = torch.Generator().manual_seed(0)
+    draft_ids = torch.cat([drafts, drafts[:, :1]], dim=1).reshape(-1)  # last rows: unused
+    cu_rows = torch.arange(0, num_rows + 1, rows_each, device=DEV)
+    flags = torch.zeros(num_reqs, dtype=torch.bool, device=DEV)
+
+    def on_host():
+        verify(logits.float().cpu(), rows, generator)
+
+    def on_device():
+        probs = logits.float().softmax(-1)
+        noise = torch.empty_like(probs).exponential_()
+        uniforms = torch.rand(num_rows, device=DEV)
+        tokens, num_accepted = rejection_verify(
+            probs, draft_ids, None, cu_rows, flags, flags, uniforms, noise, rows_each
+        )
+        tokens.tolist(), num_accepted.tolist()  # the step's one host sync
+
+    host, fused = do_bench(on_host), do_bench(on_device)
+    print(
+        f"verify {num_reqs} x (1 + {num_drafts}) rows, vocab {vocab}: host {host:.3f} ms, "
+        f"fused on device {fused:.3f} ms, {host / fused:.1f}x"
+    )
+    return {"host_ms": host, "fused_ms": fused, "x_host": host / fused}
+
+
 def engine_run(model_dir: Path, prompts, max_tokens: int, max_num_seqs: int, eager=False):
     """(seconds, output tokens, decode-only seconds, decode steps) for one engine run;
     eager: no CUDA graphs."""
@@ -381,7 +426,7 @@ def bench_sweep(model_dir: Path, name: str, quick: bool) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--parts", default="attention,lora,decode,sweep")
+    ap.add_argument("--parts", default="attention,lora,verify,decode,sweep")
     ap.add_argument("--models", default="smollm2,1b")
     ap.add_argument("--quick", action="store_true", help="fewer contexts and batch sizes")
     ap.add_argument("--json", help="also write every figure to this file")
@@ -410,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"copy bandwidth: {copy_bw / 1e9:.0f} GB/s (read + write)")
     if "attention" in parts:
         results["attention"] = bench_attention(copy_bw, args.quick)
+    if "verify" in parts:  # the largest model's vocabulary
+        results["verify"] = bench_verify(MODELS[names[-1]]["vocab_size"])
     with tempfile.TemporaryDirectory() as tmp:
         dirs = {name: make_model_dir(Path(tmp), name) for name in names}
         if "lora" in parts:  # the largest model asked for
@@ -432,10 +479,12 @@ def main(argv: list[str] | None = None) -> int:
     sweeps = [results[k] for k in results if k.startswith("sweep_")]
     best_x = max((r["x_hf_seq"] for s in sweeps for r in s["batches"].values()), default=None)
     lora = results.get("lora", {}).get("overhead")
+    fused = results.get("verify", {}).get("x_host")
     print(
         f"RESULT decode_attention_bw_ratio={fmt(longest)} verify_attention_bw_ratio={fmt(verify)} "
         f"decode_roofline_fraction_1b={fmt(dec)} "
-        f"throughput_x_hf_seq={fmt(best_x)} lora_overhead_8={fmt(lora)}"
+        f"throughput_x_hf_seq={fmt(best_x)} lora_overhead_8={fmt(lora)} "
+        f"fused_verify_x_host={fmt(fused)}"
     )
     return 0
 

@@ -36,10 +36,16 @@ from triton import knobs
 
 # Attention heads and projection sizes of the models the project serves and benchmarks.
 MODELS = {
-    "smollm2": dict(heads=9, kv_heads=3, head_dim=64, hidden=576, intermediate=1536),
-    "qwen-0.5b": dict(heads=14, kv_heads=2, head_dim=64, hidden=896, intermediate=4864),
-    "qwen-1.5b": dict(heads=12, kv_heads=2, head_dim=128, hidden=1536, intermediate=8960),
-    "llama-1b": dict(heads=32, kv_heads=8, head_dim=64, hidden=2048, intermediate=8192),
+    "smollm2": dict(heads=9, kv_heads=3, head_dim=64, hidden=576, intermediate=1536, vocab=49152),
+    "qwen-0.5b": dict(
+        heads=14, kv_heads=2, head_dim=64, hidden=896, intermediate=4864, vocab=151936
+    ),
+    "qwen-1.5b": dict(
+        heads=12, kv_heads=2, head_dim=128, hidden=1536, intermediate=8960, vocab=151936
+    ),
+    "llama-1b": dict(
+        heads=32, kv_heads=8, head_dim=64, hidden=2048, intermediate=8192, vocab=128256
+    ),
 }
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Shared memory one block may use (opt-in maximum), per compute capability.
@@ -49,7 +55,7 @@ GRID_LIMIT = (2**31 - 1, 65535, 65535)
 # with Triton's flags, parks a few values of a loop now and then (4 B for the varlen kernel on
 # sm_80 at Qwen2.5-1.5B's shapes); a tile that does not fit spills hundreds.
 SPILL_BUDGET = 32
-KERNEL_MODULES = ("kernels.triton_attention", "kernels.triton_lora")
+KERNEL_MODULES = ("kernels.triton_attention", "kernels.triton_lora", "kernels.triton_rejection")
 
 
 @dataclass
@@ -115,9 +121,9 @@ def recording() -> Iterator[tuple[list[Launch], list[str]]]:
 
 def engine_launches(model: str, dtype: torch.dtype, block_size: int) -> list[Launch]:
     """The launches of one layer's attention for a decode step, a verify step (1 + 4 tokens) and
-    a prefill chunk, at short and 128k contexts, and of the LoRA kernels at rank 16 and 64 over
-    the fused qkv and gate/up projections (8 adapters, 8 rows each): through the same calls the
-    engine makes."""
+    a prefill chunk, at short and 128k contexts, of the LoRA kernels at rank 16 and 64 over
+    the fused qkv and gate/up projections (8 adapters, 8 rows each), through the same calls the
+    engine makes, and of the fused rejection sampler over the model's vocabulary."""
     from engine.attention import AttentionMetadata, _varlen, paged_attention
 
     shape = MODELS[model]
@@ -146,6 +152,8 @@ def engine_launches(model: str, dtype: torch.dtype, block_size: int) -> list[Lau
         for rank in (16, 64):
             case[0] = f"lora rank {rank}"
             _lora_launches(shape, dtype, rank)
+        case[0] = "rejection 64 x (1 + 4)"
+        _rejection_launches(shape["vocab"])
     return launches
 
 
@@ -165,6 +173,17 @@ def _lora_launches(shape: dict, dtype: torch.dtype, rank: int) -> None:
         y = torch.zeros(tokens, size_out, dtype=dtype)
         shrunk = lora_shrink(x, a, rows, seg_starts, seg_slots, 8)
         lora_expand(shrunk, b, y, 0, rows, seg_starts, seg_slots, 8)
+
+
+def _rejection_launches(vocab: int, num_reqs: int = 64, max_rows: int = 5) -> None:
+    from kernels.triton_rejection import rejection_verify
+
+    num_rows = num_reqs * max_rows
+    probs = torch.zeros(num_rows, vocab)
+    rows = torch.zeros(num_rows, dtype=torch.int64)
+    flags = torch.zeros(num_reqs, dtype=torch.bool)
+    cu_rows = torch.arange(0, num_rows + 1, max_rows)
+    rejection_verify(probs, rows, probs, cu_rows, flags, flags, rows.float(), probs, max_rows)
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Paged attention in plain PyTorch: the CPU path and the oracle for the Triton kernels.
+"""The Triton kernels' references in plain PyTorch, their test oracles: paged attention (also the
+CPU path), LoRA shrink/expand and batched rejection-sampling verification.
 
 Cache layout, per layer and for K and V alike: [num_kv_heads, num_blocks, block_size, head_dim].
 Head-major so that gathering a request's blocks along dim 1 yields [num_kv_heads, seq_len,
@@ -153,3 +154,53 @@ def lora_expand(
         delta = shrunk[lo:hi].to(b_stack.dtype).float() @ b_stack[slot].float()
         cols = y[:, y_offset : y_offset + size_out]
         cols[rows[lo:hi]] = (cols[rows[lo:hi]].float() + delta).to(y.dtype)
+
+
+def rejection_verify(
+    probs: torch.Tensor,  # [R, V] float32 target p per row; greedy requests' rows: any scores
+    draft_ids: torch.Tensor,  # [R] int64: the draft after each row (a request's last row: unused)
+    draft_probs: torch.Tensor | None,  # [R, V] float32 q, read on the rows of has_q requests
+    cu_rows: torch.Tensor,  # [B + 1] int64: request b owns rows cu_rows[b]:cu_rows[b + 1]
+    is_greedy: torch.Tensor,  # [B] bool
+    has_q: torch.Tensor,  # [B] bool: drafts were sampled from q (else one-hot drafts)
+    uniforms: torch.Tensor,  # [R] float32 U(0, 1), the accept test's draw on has_q rows
+    noise: torch.Tensor,  # [R, V] float32 Exp(1), the race of the row where a token is drawn
+    max_rows: int,  # the largest 1 + drafts in the batch
+) -> tuple[torch.Tensor, torch.Tensor]:  # tokens [B, max_rows] (-1 past the emitted), [B]
+    """spec.rejection.verify over a whole batch given its random draws (the oracle of
+    kernels.triton_rejection). Every row first draws its candidate: the argmax on greedy rows,
+    else the race argmax w / E with w = max(p - q, 0) on has_q rows before the last (p when
+    that residual is empty) and w = p elsewhere. Draft j is accepted on greedy and one-hot rows
+    iff it equals the candidate, on has_q rows iff u * q(x) < p(x) (in float64, as spec's
+    Python floats); the first rejected row, or the last row, emits its candidate."""
+    num_rows, device = probs.shape[0], probs.device
+    num_reqs = cu_rows.numel() - 1
+    num_drafts = cu_rows.diff() - 1  # [B]
+    request = torch.repeat_interleave(torch.arange(num_reqs, device=device), num_drafts + 1)
+    pos = torch.arange(num_rows, device=device) - cu_rows[request]  # [R] j within the request
+    is_last = pos == num_drafts[request]
+    greedy_row = is_greedy[request]
+    q_row = has_q[request] & ~greedy_row
+    residual_row = q_row & ~is_last
+    weights = probs
+    if draft_probs is not None and bool(residual_row.any()):
+        residual = (probs - draft_probs).clamp(min=0.0)
+        use = residual_row & (residual > 0).any(dim=-1)
+        weights = torch.where(use[:, None], residual, probs)
+    candidate = torch.where(greedy_row, probs.argmax(-1), (weights / noise).argmax(-1))  # [R]
+    drafts = draft_ids.clamp(min=0)
+    accept = candidate == drafts
+    if draft_probs is not None:
+        p_x = probs.gather(1, drafts[:, None])[:, 0].double()
+        q_x = draft_probs.gather(1, drafts[:, None])[:, 0].double()
+        accept = torch.where(q_row, uniforms.double() * q_x < p_x, accept)
+    accept &= ~is_last
+    # Accepted drafts per request: the run of accepted rows before its first rejection.
+    table = torch.zeros(num_reqs, max_rows, dtype=torch.bool, device=device)
+    table[request, pos] = accept
+    num_accepted = table.int().cumprod(dim=1).sum(dim=1)  # [B]
+    tokens = torch.full((num_reqs, max_rows), -1, dtype=torch.int64, device=device)
+    tokens[request, pos] = torch.where(pos < num_accepted[request], drafts, candidate)
+    cols = torch.arange(max_rows, device=device)[None, :]
+    tokens[cols > num_accepted[:, None]] = -1
+    return tokens, num_accepted
