@@ -93,13 +93,23 @@ class BlockPool:
             self.cached[block_hash] = block
             self.block_hashes[block] = block_hash
 
+    def uncache(self, blocks: Iterable[int]) -> None:
+        """Drop blocks from the prefix-cache index: their K/V was never written."""
+        for block in blocks:
+            self._unindex(block)
+
     def _evict(self, block: int) -> None:
-        block_hash = self.block_hashes[block]
-        if block_hash is not None:
-            self.block_hashes[block] = None
-            if self.cached.get(block_hash) == block:
-                del self.cached[block_hash]
+        if self._unindex(block):
             self.num_evictions += 1
+
+    def _unindex(self, block: int) -> bool:
+        block_hash = self.block_hashes[block]
+        if block_hash is None:
+            return False
+        self.block_hashes[block] = None
+        if self.cached.get(block_hash) == block:
+            del self.cached[block_hash]
+        return True
 
     def reset_prefix_cache(self) -> None:
         for block in self.free_queue:

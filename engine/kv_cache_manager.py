@@ -15,6 +15,7 @@ class KVCacheManager:
         self.num_query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_hit_tokens = 0
         self.copy_sources: list[int] = []  # CoW sources of this step, held until copied
+        self.uncomputed: list[int] = []  # registered in the prefix cache before this step runs
 
     def release_copy_sources(self) -> None:
         """The step's copy-on-write copies have run: drop the references their sources held."""
@@ -74,15 +75,34 @@ class KVCacheManager:
             table.extend(self.pool.allocate(num_new_blocks))
         return True, copy
 
-    def cache_computed_blocks(self, request: Request) -> None:
-        """Register the request's full, computed blocks in the prefix cache."""
+    def cache_computed_blocks(self, request: Request, num_tokens: int | None = None) -> None:
+        """Register the request's full blocks within its first num_tokens tokens (default: its
+        computed ones) in the prefix cache. The scheduler registers the blocks a step is about
+        to compute when it allocates them, so that a request admitted later in the same step
+        shares them: each layer stores the whole batch's K/V before any attention reads it."""
         if not self.enable_prefix_caching:
             return
         table = self.block_tables.get(request, [])
-        num_full = request.num_computed_tokens // self.block_size
+        if num_tokens is None:
+            num_tokens = request.num_computed_tokens
         hashes = request.full_block_hashes()
-        for i in range(min(num_full, len(hashes), len(table))):
-            self.pool.cache_block(table[i], hashes[i])
+        num_computed_blocks = request.num_computed_tokens // self.block_size
+        for i in range(min(num_tokens // self.block_size, len(hashes), len(table))):
+            block = table[i]
+            if self.pool.block_hashes[block] is not None:
+                continue
+            self.pool.cache_block(block, hashes[i])
+            if i >= num_computed_blocks and self.pool.block_hashes[block] is not None:
+                self.uncomputed.append(block)
+
+    def step_computed(self) -> None:
+        """The step ran: the blocks registered ahead of it now hold their K/V."""
+        self.uncomputed = []
+
+    def forget_uncomputed(self) -> None:
+        """The step failed: blocks registered ahead of it hold no K/V, unregister them."""
+        self.pool.uncache(self.uncomputed)
+        self.uncomputed = []
 
     def mark_draft_computed(self, request: Request) -> None:
         """Flag the request's full blocks within its draft-computed tokens as holding the draft

@@ -324,10 +324,16 @@ class LLMEngine:
             return []
         tables = self.kv.block_tables
         t0 = time.perf_counter()
-        if self.proposer is not None or self.forced_tokens is not None:
-            self._propose(sched, tables)
-        t1 = time.perf_counter()
-        result = self.runner.execute(sched, tables)
+        try:
+            if self.proposer is not None or self.forced_tokens is not None:
+                self._propose(sched, tables)
+            t1 = time.perf_counter()
+            result = self.runner.execute(sched, tables)
+        except BaseException:
+            self.kv.release_copy_sources()
+            self.scheduler.unschedule(sched)
+            raise
+        self.kv.step_computed()
         self.kv.release_copy_sources()
         t2 = time.perf_counter()
         self.spec_time["draft"] += t1 - t0

@@ -67,6 +67,7 @@ class Scheduler:
             num_drafts = self._draft_slots(request, num_new, budget)
             if not self._allocate_or_preempt(request, num_new, num_drafts, out):
                 break  # the request preempted itself: nothing after it can run either
+            self.kv.cache_computed_blocks(request, request.num_computed_tokens + num_new)
             self._take_loras(request, loras)
             budget -= out.num_new_tokens[-1]
             i += 1
@@ -89,6 +90,7 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
             request.num_computed_tokens = num_cached
+            self.kv.cache_computed_blocks(request, num_cached + num_new)  # shared from now on
             request.num_draft_computed = self.kv.num_draft_ready(prefix) * self.kv.block_size
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -144,6 +146,16 @@ class Scheduler:
         out.num_drafts.append(num_drafts)
         if copy is not None:
             out.block_copies.append(copy)
+
+    def unschedule(self, out: SchedulerOutput) -> None:
+        """A step failed before its K/V was written: its requests drop their blocks and queue
+        again (as if preempted), and blocks registered ahead of the step leave the prefix
+        cache, so nothing that follows reads K/V that was never computed."""
+        self.kv.forget_uncomputed()
+        for request in reversed(out.requests):
+            if request in self.running:
+                self.running.remove(request)
+                self.preempt(request)
 
     def preempt(self, request: Request) -> None:
         """Recompute-style preemption: drop the KV, keep the tokens, requeue at the front."""

@@ -119,6 +119,68 @@ def test_outputs_identical_with_and_without_hits(model_dir, max_num_batched_toke
     assert_idle(llm)
 
 
+def finish_all(llm: LLM) -> dict[str, list[int]]:
+    """Step until idle; each request's token ids by request id."""
+    done = {}
+    while llm.engine.has_unfinished_requests():
+        for out in llm.engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return done
+
+
+def shared_prefix_prompts() -> list[list[int]]:
+    base = tokens(2 * BS, seed=5)
+    return [base + tokens(3, seed=20 + i) for i in range(4)]
+
+
+def expected_alone(model_dir, prompts) -> list[list[int]]:
+    plain = LLM(model_dir, enable_prefix_caching=False, num_kv_blocks=48, block_size=BS)
+    return [ids(o)[0] for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def test_requests_admitted_together_share_what_the_first_computes(model_dir):
+    """Four prompts with two blocks in common, added at once: the first computes them and the
+    other three, admitted in the same step, hit them (registered when allocated; each layer
+    stores the batch's K/V before attending)."""
+    prompts = shared_prefix_prompts()
+    llm = LLM(model_dir, num_kv_blocks=48, block_size=BS)
+    for i, prompt in enumerate(prompts):
+        llm.engine.add_request(f"together-{i}", prompt, GREEDY)
+    llm.engine.step()
+    assert llm.engine.snapshot()["prefix_cache"]["hit_tokens"] == 3 * 2 * BS
+    done = finish_all(llm)
+    assert [done[f"together-{i}"] for i in range(4)] == expected_alone(model_dir, prompts)
+    assert_idle(llm)
+
+
+def test_a_failed_step_leaves_no_uncomputed_block_in_the_cache(model_dir, monkeypatch):
+    """A step that raises before its K/V is written: the blocks registered ahead of it leave the
+    prefix cache and its requests queue again holding nothing, so the next steps compute
+    everything and the outputs are as if it never happened."""
+    prompts = shared_prefix_prompts()
+    llm = LLM(model_dir, num_kv_blocks=48, block_size=BS)
+    runner, real = llm.engine.runner, llm.engine.runner.execute
+    failures = iter([RuntimeError("injected")])
+
+    def execute_once_failing(*args):
+        for exc in failures:
+            raise exc
+        return real(*args)
+
+    monkeypatch.setattr(runner, "execute", execute_once_failing)
+    for i, prompt in enumerate(prompts):
+        llm.engine.add_request(f"retry-{i}", prompt, GREEDY)
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.engine.step()
+    assert not any(cached_blocks(llm, prompts[0]))
+    snap = llm.engine.snapshot()
+    assert snap["num_used_blocks"] == 0 and snap["num_waiting"] == 4
+    done = finish_all(llm)
+    assert [done[f"retry-{i}"] for i in range(4)] == expected_alone(model_dir, prompts)
+    assert_idle(llm)
+
+
 def test_cache_salt_isolates(model_dir):
     llm = LLM(model_dir, num_kv_blocks=32, block_size=BS)
     prompt = tokens(3 * BS + 5, seed=4)
