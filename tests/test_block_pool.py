@@ -329,6 +329,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         else:
             self.num_empty_steps = 0
         self.run_model(out, waiting)
+        self.kv.step_computed()
         for r, n in zip(out.requests, out.num_new_tokens, strict=True):
             r.num_computed_tokens += n
             self.kv.cache_computed_blocks(r)
@@ -353,9 +354,25 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert len(table) == self.kv.blocks_needed(r.num_computed_tokens + n)
             for p in range(r.num_computed_tokens, r.num_computed_tokens + n):
                 block = table[p // self.bs]
-                assert self.pool.ref_counts[block] == 1, f"write into shared block {block}"
+                # Shared only if registered ahead this step: its sharers were admitted after
+                # and only read it (the same tokens' KV), later in the same forward.
+                shared_ahead = block in self.kv.uncomputed
+                assert self.pool.ref_counts[block] == 1 or shared_ahead, f"write into {block}"
                 slots = self.kv_slots.setdefault(block, [None] * self.bs)
                 slots[p % self.bs] = keys[p]
+
+    @rule()
+    def failed_step(self):
+        """A step that raises before the model writes anything: its requests queue again with
+        no blocks, and what was registered ahead of it leaves the prefix cache."""
+        out = self.sched.schedule()
+        ahead = list(self.kv.uncomputed)
+        self.kv.release_copy_sources()
+        self.sched.unschedule(out)
+        assert not self.kv.uncomputed
+        assert all(self.pool.block_hashes[b] is None for b in ahead)
+        for r in out.requests:
+            assert r in self.sched.waiting and not self.kv.table(r)
 
     @precondition(lambda self: self.caught_up())
     @rule(pick=st.integers(0, 99), token=st.integers(0, 3))
