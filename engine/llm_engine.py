@@ -368,7 +368,9 @@ class LLMEngine:
                         request.num_draft_computed, request.num_computed_tokens
                     )
                     self.kv.mark_draft_computed(request)
-            self.kv.cache_computed_blocks(request)
+                # The scheduler registered the blocks of the step's own tokens; accepted drafts
+                # may have filled more.
+                self.kv.cache_computed_blocks(request)
         touched = self._process_samples(result)
         for group in self._end_failed([*sched.requests, *self.scheduler.running]):
             if group not in touched:
