@@ -38,10 +38,10 @@ def burst(num_requests: int, prefix_len: int, tail_len: int, max_tokens: int) ->
 
 def registered_after_step():
     """The engine as before same-step sharing: blocks enter the prefix cache once computed."""
-    original = KVCacheManager.cache_computed_blocks
+    original = KVCacheManager.cache_blocks
     return mock.patch.object(
         KVCacheManager,
-        "cache_computed_blocks",
+        "cache_blocks",
         lambda self, request, _=None: original(self, request),
     )
 

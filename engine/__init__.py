@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from engine.llm import LLM
     from engine.llm_engine import LLMEngine
     from engine.outputs import CompletionOutput, Logprob, RequestOutput
-    from engine.sampling_params import SamplingParams
+    from engine.sampling_params import RequestOutputKind, SamplingParams
 
 _HOMES = {
     "LLM": "engine.llm",
@@ -23,6 +23,7 @@ _HOMES = {
     "LLMEngine": "engine.llm_engine",
     "Logprob": "engine.outputs",
     "RequestOutput": "engine.outputs",
+    "RequestOutputKind": "engine.sampling_params",
     "SamplingParams": "engine.sampling_params",
 }
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "LLMEngine",
     "Logprob",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
 ]
 

@@ -9,10 +9,12 @@ chunks) are attended one request at a time.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
+from engine.device import host_tensor, padded_rows
 from kernels.reference import causal_mask, decode_attention, prefill_attention, write_kv
 
 # Queries up to this length take the batched path.
@@ -121,19 +123,17 @@ def _bucket(
     sliding_window: int | None,
 ) -> QueryBucket:
     num_blocks = [-(-seq_lens[i] // block_size) for i in members]
-    tables = torch.zeros(len(members), num_blocks[0], dtype=torch.long)
-    for j, i in enumerate(members):
-        tables[j, : num_blocks[j]] = torch.tensor(block_tables[i][: num_blocks[j]])
+    tables = padded_rows(
+        [block_tables[i][:n] for i, n in zip(members, num_blocks, strict=True)], num_blocks[0]
+    ).long()
     key_pos = torch.arange(num_blocks[0] * block_size)[None, :, None]  # [1, L, 1]
-    lens = torch.tensor([seq_lens[i] for i in members])[:, None, None]  # [n, 1, 1]
+    lens = host_tensor([seq_lens[i] for i in members])[:, None, None]  # [n, 1, 1]
     q_pos = lens - num_queries + torch.arange(num_queries)[None, None, :]  # [n, 1, Q]
     visible = key_pos <= q_pos
     if sliding_window is not None:
         visible &= key_pos > q_pos - sliding_window
     key_bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
-    rows = torch.tensor(
-        [row_starts[i] + j for i in members for j in range(num_queries)], dtype=torch.long
-    )
+    rows = host_tensor([row_starts[i] + j for i in members for j in range(num_queries)])
     return QueryBucket(rows, num_queries, tables, key_bias)
 
 
@@ -194,13 +194,13 @@ def build_metadata(
 def _varlen(
     seq_lens: list[int], query_lens: list[int], block_tables: list[list[int]], block_size: int
 ) -> VarlenBatch:
-    num_blocks = [-(-n // block_size) for n in seq_lens]
-    tables = torch.zeros(len(seq_lens), max(num_blocks), dtype=torch.int32)
-    for i, n in enumerate(num_blocks):
-        tables[i, :n] = torch.tensor(block_tables[i][:n], dtype=torch.int32)
-    starts = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
-    starts[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
-    return VarlenBatch(starts, torch.tensor(seq_lens, dtype=torch.int32), tables, max(query_lens))
+    width = max(-(-n // block_size) for n in seq_lens)
+    tables = padded_rows(
+        [table[: -(-n // block_size)] for table, n in zip(block_tables, seq_lens, strict=True)],
+        width,
+    )
+    starts = host_tensor([0, *itertools.accumulate(query_lens)], torch.int32)
+    return VarlenBatch(starts, host_tensor(seq_lens, torch.int32), tables, max(query_lens))
 
 
 def paged_attention(

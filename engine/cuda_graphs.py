@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.attention import AttentionMetadata, VarlenBatch, slot_ids
+from engine.device import host_tensor, padded_rows
 
 if TYPE_CHECKING:
     from engine.model_runner import ForwardItem
@@ -119,19 +120,16 @@ class GraphRunner:
             rows.extend(range(base, base + n))
             seq_lens[b] = item.start + q
             width = max(width, -(-seq_lens[b] // bs))
-        block_tables = torch.zeros(num_reqs, width, dtype=torch.int32)
-        for b, item in enumerate(items):
-            table = tables[item.request][:width]
-            block_tables[b, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        block_tables = padded_rows([tables[it.request] for it in items], width, num_reqs)
         copy = dict(non_blocking=True)
-        self.input_ids[:num_tokens].copy_(torch.tensor(ids), **copy)
-        self.positions[:num_tokens].copy_(torch.tensor(positions), **copy)
-        self.slot_mapping[:num_tokens].copy_(torch.tensor(slots), **copy)
-        self.seq_lens[:num_reqs].copy_(torch.tensor(seq_lens, dtype=torch.int32), **copy)
+        self.input_ids[:num_tokens].copy_(host_tensor(ids), **copy)
+        self.positions[:num_tokens].copy_(host_tensor(positions), **copy)
+        self.slot_mapping[:num_tokens].copy_(host_tensor(slots), **copy)
+        self.seq_lens[:num_reqs].copy_(host_tensor(seq_lens, torch.int32), **copy)
         self.block_tables[:num_reqs, :width].copy_(block_tables, **copy)
         if len(rows) == len(items) * q:
             return None
-        return torch.tensor(rows)
+        return host_tensor(rows)
 
     def _run(self, num_reqs: int, q: int) -> torch.Tensor:  # [num_reqs * q, hidden]
         num_tokens = num_reqs * q

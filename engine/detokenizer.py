@@ -14,7 +14,7 @@ from functools import partial
 INITIAL_CONTEXT = 5  # prompt tokens decoded with the first output token (leading spaces)
 
 
-def _decoder(tokenizer):
+def exact_decoder(tokenizer):
     """Exact decoding, never HF's clean_up_tokenization_spaces (as vLLM): that clean-up rewrites
     " ," to "," and " 's" to "'s" over whatever text it is given, so applied to the short windows
     below it loses characters ("a , b" would stream as "a  b"). For a fast tokenizer the Rust
@@ -35,7 +35,7 @@ class IncrementalDetokenizer:
         stop: list[str],
         include_stop_str_in_output: bool,
     ):
-        self.decode = _decoder(tokenizer)
+        self.decode = exact_decoder(tokenizer)
         self.skip_special_tokens = skip_special_tokens
         self.ids = list(prompt_token_ids[-INITIAL_CONTEXT:])
         self.prefix_offset = 0

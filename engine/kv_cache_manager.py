@@ -16,6 +16,9 @@ class KVCacheManager:
         self.num_hit_tokens = 0
         self.copy_sources: list[int] = []  # CoW sources of this step, held until copied
         self.uncomputed: list[int] = []  # registered in the prefix cache before this step runs
+        # Leading blocks of each request's table already offered to the prefix cache: each step
+        # registers only the blocks after them (not the whole table again).
+        self.num_offered: dict[Request, int] = {}
 
     def release_copy_sources(self) -> None:
         """The step's copy-on-write copies have run: drop the references their sources held."""
@@ -75,25 +78,32 @@ class KVCacheManager:
             table.extend(self.pool.allocate(num_new_blocks))
         return True, copy
 
-    def cache_computed_blocks(self, request: Request, num_tokens: int | None = None) -> None:
+    def cache_blocks(self, request: Request, num_tokens: int | None = None) -> None:
         """Register the request's full blocks within its first num_tokens tokens (default: its
         computed ones) in the prefix cache. The scheduler registers the blocks a step is about
         to compute when it allocates them, so that a request admitted later in the same step
-        shares them: each layer stores the whole batch's K/V before any attention reads it."""
+        shares them: each layer stores the whole batch's K/V before any attention reads it.
+        A block is offered once: one whose tokens another block holds already stays private."""
         if not self.enable_prefix_caching:
             return
         table = self.block_tables.get(request, [])
         if num_tokens is None:
             num_tokens = request.num_computed_tokens
+        first = self.num_offered.get(request, 0)
+        end = min(num_tokens // self.block_size, len(table))
+        if end <= first:
+            return
         hashes = request.full_block_hashes()
+        end = min(end, len(hashes))
         num_computed_blocks = request.num_computed_tokens // self.block_size
-        for i in range(min(num_tokens // self.block_size, len(hashes), len(table))):
+        for i in range(first, end):
             block = table[i]
             if self.pool.block_hashes[block] is not None:
                 continue
             self.pool.cache_block(block, hashes[i])
             if i >= num_computed_blocks and self.pool.block_hashes[block] is not None:
                 self.uncomputed.append(block)
+        self.num_offered[request] = max(first, end)
 
     def step_computed(self) -> None:
         """The step ran: the blocks registered ahead of it now hold their K/V."""
@@ -127,15 +137,19 @@ class KVCacheManager:
         if len(table) > keep:
             self.pool.free(table[keep:])
             del table[keep:]
+            if self.num_offered.get(request, 0) > keep:
+                self.num_offered[request] = keep
 
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares every block of the parent (copy-on-write on first append)."""
         table = self.block_tables[parent]
         self.pool.touch(table)
         self.block_tables[child] = list(table)
+        self.num_offered[child] = self.num_offered.get(parent, 0)
 
     def free(self, request: Request) -> None:
         table = self.block_tables.pop(request, None)
+        self.num_offered.pop(request, None)
         if table:
             self.pool.free(table)
 

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
-from dataclasses import replace
 
 from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 from lora.adapter import LoRARequest
 
 Prompt = str | list[int] | dict
@@ -98,6 +97,8 @@ class LLM:
         """lora_request: one adapter for every prompt, or one (or None) per prompt;
         draft_lora_request: the same for the draft model (draft-model speculation only)."""
         prompts, params = self._normalize(prompts, sampling_params)
+        # Only the last output of each request is kept: the engine builds no other.
+        params = [p.with_output_kind(RequestOutputKind.FINAL_ONLY) for p in params]
         ids = self._add_all(prompts, params, lora_request, draft_lora_request)
         finals: dict[str, RequestOutput] = {}
         wanted = set(ids)
@@ -123,21 +124,15 @@ class LLM:
     ) -> Iterator[RequestOutput]:
         """Yields RequestOutputs whose completions hold only what is new since the last one."""
         prompts, params = self._normalize(prompt, sampling_params)
-        (rid,) = self._add_all(prompts[:1], params[:1], lora_request)
-        sent: dict[int, tuple[int, int]] = {}  # completion index -> (chars, tokens) sent
+        params = [params[0].with_output_kind(RequestOutputKind.DELTA)]
+        (rid,) = self._add_all(prompts[:1], params, lora_request)
         try:
             finished = False
             while not finished:
                 for out in self.engine.step():
-                    if out.request_id != rid:
-                        continue
-                    deltas = []
-                    for c in out.outputs:
-                        chars, toks = sent.get(c.index, (0, 0))
-                        sent[c.index] = (len(c.text), len(c.token_ids))
-                        deltas.append(c.since(chars, toks))
-                    finished = out.finished
-                    yield replace(out, outputs=deltas)
+                    if out.request_id == rid:
+                        finished = out.finished
+                        yield out
         finally:
             if not finished:
                 self.engine.abort_request(rid)

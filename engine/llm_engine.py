@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from engine.attention import resolve_backend
 from engine.config import MAX_SPECULATIVE_TOKENS, EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer, exact_decoder
 from engine.grammar.constraint import StructuredOutputs
 from engine.introspection import snapshot
 from engine.kv_cache_manager import KVCacheManager
@@ -20,7 +20,7 @@ from engine.models.loader import load_model, read_generation_eos
 from engine.models.registry import resolve_model
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from engine.request import FINISH_REASONS, Request, RequestStatus, step_token_kinds
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from lora.adapter import LoRAAdapter, LoRARequest, load_adapter
 from lora.batch import LoRASlots
@@ -39,6 +39,11 @@ class RequestGroup:
         self.requests = requests
         self.detokenizers: list[IncrementalDetokenizer] = detoks
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
+        self.output_kind = requests[0].params.output_kind
+        # DELTA: per completion, (characters, tokens) of it already in an output, and whether
+        # its finish was; whether the prompt logprobs were.
+        self.sent = [(0, 0, False)] * len(requests)
+        self.sent_prompt_logprobs = False
 
     @property
     def finished(self) -> bool:
@@ -58,6 +63,7 @@ class LLMEngine:
         torch.set_flush_denormal(True)
         path = resolve_model(config.model)
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
+        self._decode = exact_decoder(self.tokenizer)
         device, dtype = config.torch_device, config.torch_dtype
         model, self.model_config, _ = load_model(path, device=device, dtype=dtype)
         cfg = self.model_config
@@ -370,13 +376,13 @@ class LLMEngine:
                     self.kv.mark_draft_computed(request)
                 # The scheduler registered the blocks of the step's own tokens; accepted drafts
                 # may have filled more.
-                self.kv.cache_computed_blocks(request)
+                self.kv.cache_blocks(request)
         touched = self._process_samples(result)
         for group in self._end_failed([*sched.requests, *self.scheduler.running]):
             if group not in touched:
                 touched.append(group)
         self.num_steps += 1
-        return [self._make_output(g) for g in touched]
+        return [out for g in touched if (out := self._make_output(g)) is not None]
 
     def _end_failed(self, requests: list[Request]) -> list[RequestGroup]:
         """End the group of every request whose processing failed this step (Request.fail):
@@ -469,7 +475,7 @@ class LLMEngine:
     def _process_samples(self, result: StepResult) -> list[RequestGroup]:
         touched: dict[str, RequestGroup] = {}
         for request, prompt_lps in result.prompt_logprobs.items():
-            request.prompt_logprobs.extend(prompt_lps)
+            request.prompt_logprobs.extend(map(self._decode_logprobs, prompt_lps))
         for request, _ in result.sampled:
             if request.status == RequestStatus.FORK_PENDING:
                 # Fork every sibling before any append can finish (and free) the leader.
@@ -510,8 +516,8 @@ class LLMEngine:
         except Exception as exc:
             request.fail("grammar", exc)
             return False
-        if logprobs is not None:
-            request.logprobs.append(logprobs)
+        if logprobs is not None:  # decoded once here: outputs repeat them, step after step
+            request.logprobs.append(self._decode_logprobs(logprobs))
             request.cumulative_logprob += logprobs[token][0]
         detok = group.detokenizers[request.index]
         p = request.params
@@ -541,36 +547,38 @@ class LLMEngine:
 
     # ---- outputs -----------------------------------------------------------------------
     def _decode_logprobs(self, raw: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
-        return {t: Logprob(lp, rank, self.tokenizer.decode([t])) for t, (lp, rank) in raw.items()}
+        decode = self._decode
+        return {
+            t: Logprob(lp, rank, decode([t], skip_special_tokens=False))
+            for t, (lp, rank) in raw.items()
+        }
 
-    def _make_output(self, group: RequestGroup) -> RequestOutput:
+    def _make_output(self, group: RequestGroup) -> RequestOutput | None:
+        """The group's output after a step that touched it, as its output_kind asks: everything
+        so far (CUMULATIVE), what is new (DELTA: completions with nothing new are left out),
+        or nothing until it has finished (FINAL_ONLY)."""
+        finished = group.finished
+        kind = group.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
         completions = []
         for request, detok in zip(group.requests, group.detokenizers, strict=True):
-            finished = request.is_finished
-            text = detok.visible_text(finished)
-            p = request.params
-            completions.append(
-                CompletionOutput(
-                    index=request.index,
-                    text=text,
-                    token_ids=request.output_token_ids,
-                    cumulative_logprob=request.cumulative_logprob
-                    if p.logprobs is not None
-                    else None,
-                    logprobs=[self._decode_logprobs(lp) for lp in request.logprobs]
-                    if p.logprobs is not None
-                    else None,
-                    finish_reason=FINISH_REASONS.get(request.status),
-                    stop_reason=request.stop_reason,
-                    token_kinds="".join(request.token_kinds),
-                    rejected_drafts=list(request.rejected_drafts),
-                )
-            )
+            text = detok.visible_text(request.is_finished)
+            chars = tokens = 0
+            if kind == RequestOutputKind.DELTA:
+                chars, tokens, finish_sent = group.sent[request.index]
+                ended = request.is_finished
+                unchanged = len(text) == chars and request.num_output_tokens == tokens
+                if unchanged and (not ended or finish_sent):
+                    continue  # nothing new of this completion
+                group.sent[request.index] = (len(text), request.num_output_tokens, ended)
+            completions.append(self._completion(request, text, chars, tokens))
         leader, failed = group.requests[0], group.failed
         prompt_lps = None
-        if leader.params.prompt_logprobs is not None:
-            prompt_lps = [None] + [self._decode_logprobs(lp) for lp in leader.prompt_logprobs]
-        if group.finished and group.metrics.finished_time is None:
+        if leader.params.prompt_logprobs is not None and not group.sent_prompt_logprobs:
+            prompt_lps = [None, *leader.prompt_logprobs]
+            group.sent_prompt_logprobs = kind == RequestOutputKind.DELTA
+        if finished and group.metrics.finished_time is None:
             group.metrics.finished_time = time.monotonic()
         group.metrics.num_cached_tokens = max(0, leader.num_cached_tokens)
         group.metrics.num_preemptions = sum(r.num_preemptions for r in group.requests)
@@ -581,12 +589,32 @@ class LLMEngine:
             prompt=group.prompt,
             prompt_token_ids=leader.prompt_token_ids,
             outputs=completions,
-            finished=group.finished,
+            finished=finished,
             prompt_logprobs=prompt_lps,
             metrics=group.metrics,
             num_cached_tokens=group.metrics.num_cached_tokens,
             error=failed.error if failed else None,
             error_status=failed.error_status if failed else None,
+        )
+
+    @staticmethod
+    def _completion(request: Request, text: str, chars: int, tokens: int) -> CompletionOutput:
+        """One completion after its first `chars` characters and `tokens` tokens (0, 0: all of
+        it). Lists are copies: later steps extend the request's own. rejected_drafts keep
+        their indices into the whole completion."""
+        with_logprobs = request.params.logprobs is not None
+        start = request.num_prompt_tokens + tokens
+        rejected = request.rejected_drafts
+        return CompletionOutput(
+            index=request.index,
+            text=text[chars:] if chars else text,
+            token_ids=request.token_ids[start:],
+            cumulative_logprob=request.cumulative_logprob if with_logprobs else None,
+            logprobs=request.logprobs[tokens:] if with_logprobs else None,
+            finish_reason=FINISH_REASONS.get(request.status),
+            stop_reason=request.stop_reason,
+            token_kinds="".join(request.token_kinds[tokens:]),
+            rejected_drafts=[r for r in rejected if r[0] >= tokens] if tokens else list(rejected),
         )
 
     def snapshot(self) -> dict:

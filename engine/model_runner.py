@@ -19,7 +19,7 @@ import torch
 
 from engine.attention import build_metadata, slot_ids
 from engine.cuda_graphs import GraphRunner
-from engine.device import to_device
+from engine.device import host_tensor, to_device
 from engine.models.llama import LlamaForCausalLM, ModelConfig
 from engine.request import Request
 from engine.sampler import (
@@ -64,7 +64,7 @@ def fetch_rows(
         if ids is not None:
             ids = ids.to("cpu", non_blocking=True)  # ready once the copy below has run
         if len(slow) < len(is_fast):
-            logits = logits[to_device(torch.tensor(slow), logits.device)]
+            logits = logits[to_device(host_tensor(slow), logits.device)]
         host = logits.float().cpu()
     return (ids.tolist() if ids is not None else None), host
 
@@ -193,13 +193,12 @@ class ModelRunner:
             seq_lens,
             query_lens,
             item_tables,
-            torch.tensor(slots, dtype=torch.long),
+            host_tensor(slots),
             bs,
             self.cfg.sliding_window,
             self.attention_backend,
         )
-        ids = torch.tensor(input_ids, dtype=torch.long)
-        pos = torch.tensor(positions, dtype=torch.long)
+        ids, pos = host_tensor(input_ids), host_tensor(positions)
         ids, pos, meta, lora = to_device((ids, pos, meta, lora), self.device)
         return self.model(ids, pos, self.kv_caches, meta, lora)
 
@@ -210,7 +209,7 @@ class ModelRunner:
     def device_logits(self, hidden: torch.Tensor, rows: list[int] | None) -> torch.Tensor:
         """[len(rows) or M, vocab] in the model's dtype, on its device."""
         if rows is not None:
-            hidden = hidden[to_device(torch.tensor(rows, dtype=torch.long), self.device)]
+            hidden = hidden[to_device(host_tensor(rows), self.device)]
         return self.model.compute_logits(hidden)[:, : self.cfg.vocab_size]
 
     def _lora_batch(self, items: list[ForwardItem]) -> LoRABatch | None:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from enum import IntEnum
 
 from engine.config import MAX_SPECULATIVE_TOKENS
 from engine.grammar.constraint import StructuredOutputs
@@ -15,6 +16,14 @@ MAX_TOKEN_ID_LIST = 1024  # stop_token_ids and logit_bias entries
 SEED_RANGE = (-(2**63), 2**63)
 
 _EPS = 1e-5
+
+
+class RequestOutputKind(IntEnum):
+    """What each RequestOutput of a request holds (vLLM's names and values)."""
+
+    CUMULATIVE = 0  # everything so far, after every step that adds to it (the default)
+    DELTA = 1  # only what is new since the request's previous output (streaming)
+    FINAL_ONLY = 2  # a single output, once the request has finished (batch generation)
 
 
 @dataclass
@@ -42,6 +51,8 @@ class SamplingParams:
     # Constrained output: a JSON schema, json_object, regex, EBNF grammar or choice list
     # (a StructuredOutputs or a dict with its field names).
     structured_outputs: StructuredOutputs | dict | None = None
+    # CUMULATIVE, DELTA or FINAL_ONLY (or their names in lower case, for JSON clients).
+    output_kind: RequestOutputKind | str = RequestOutputKind.CUMULATIVE
     extra: dict = field(default_factory=dict)  # room for later features
 
     def __post_init__(self) -> None:
@@ -56,6 +67,7 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self.structured_outputs = StructuredOutputs.coerce(self.structured_outputs)
+        self.output_kind = _output_kind(self.output_kind)
         self._validate()
 
     def _validate(self) -> None:
@@ -139,6 +151,12 @@ class SamplingParams:
             if v is not None and (not is_int(v) or not 0 <= v <= 20):
                 raise bad(name, v, "must be an integer in [0, 20] or None")
 
+    def with_output_kind(self, kind: RequestOutputKind) -> SamplingParams:
+        """A copy that differs only in output_kind (the caller's object stays as it is)."""
+        copy = replace(self)  # __post_init__ normalised every field already
+        copy.output_kind = kind
+        return copy
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _EPS
@@ -162,3 +180,12 @@ class SamplingParams:
                     raise ValueError(
                         f"{name} contains token id {tid}, outside the vocabulary of {vocab_size}"
                     )
+
+
+def _output_kind(value) -> RequestOutputKind:
+    if isinstance(value, RequestOutputKind):
+        return value
+    names = {k.name.lower(): k for k in RequestOutputKind}
+    if isinstance(value, str) and value.lower() in names:
+        return names[value.lower()]
+    raise ValueError(f"output_kind must be one of {', '.join(names)}, got {value!r}")

@@ -67,7 +67,7 @@ class Scheduler:
             num_drafts = self._draft_slots(request, num_new, budget)
             if not self._allocate_or_preempt(request, num_new, num_drafts, out):
                 break  # the request preempted itself: nothing after it can run either
-            self.kv.cache_computed_blocks(request, request.num_computed_tokens + num_new)
+            self.kv.cache_blocks(request, request.num_computed_tokens + num_new)
             self._take_loras(request, loras)
             budget -= out.num_new_tokens[-1]
             i += 1
@@ -90,7 +90,7 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
             request.num_computed_tokens = num_cached
-            self.kv.cache_computed_blocks(request, num_cached + num_new)  # shared from now on
+            self.kv.cache_blocks(request, num_cached + num_new)  # shared from now on
             request.num_draft_computed = self.kv.num_draft_ready(prefix) * self.kv.block_size
             request.status = RequestStatus.RUNNING
             self.running.append(request)

@@ -306,7 +306,7 @@ async def _sse(
             for i in range(len(streams) * n)
         ]
         yield event(ctx.envelope(first, chunk=True))
-    sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars, tokens) sent
+    sent: dict[int, tuple[int, int, bool]] = {}  # choice index -> (chars, tokens, finish) sent
     prompt_tokens: dict[int, int] = {}
     completion_tokens: dict[int, int] = {}
     try:
@@ -317,10 +317,11 @@ async def _sse(
             choices = []
             for c in out.outputs:
                 index = i * n + c.index
-                chars, toks = sent.get(index, (0, 0))
-                if len(c.text) == chars and len(c.token_ids) == toks and c.finish_reason is None:
-                    continue
-                sent[index] = (len(c.text), len(c.token_ids))
+                chars, toks, finish_sent = sent.get(index, (0, 0, False))
+                unchanged = len(c.text) == chars and len(c.token_ids) == toks
+                if unchanged and (c.finish_reason is None or finish_sent):
+                    continue  # nothing new: a sibling's step, or after its finish chunk
+                sent[index] = (len(c.text), len(c.token_ids), c.finish_reason is not None)
                 completion_tokens[index] = len(c.token_ids)
                 choices.append(
                     protocol.choice(ctx, index, c.since(chars, toks), logprobs, delta=True)

@@ -179,7 +179,7 @@ def test_prefix_hit_leaves_the_last_token_to_compute():
     a = make_request("a", list(range(12)), 4)
     assert kv.allocate(a, 12) == (True, None)
     a.num_computed_tokens = 12
-    kv.cache_computed_blocks(a)
+    kv.cache_blocks(a)
     table_a = list(kv.table(a))
     kv.free(a)
     b = make_request("b", list(range(12)), 4)
@@ -222,7 +222,7 @@ def test_allocate_counts_free_prefix_hits_against_capacity():
     a = make_request("a", list(range(8)), 4)
     kv.allocate(a, 8)
     a.num_computed_tokens = 8
-    kv.cache_computed_blocks(a)
+    kv.cache_blocks(a)
     kv.free(a)
     # Both cached blocks are free; hitting them leaves 1 block, and 16 tokens need 2 more.
     b = make_request("b", list(range(8)) + [0] * 8, 4)
@@ -332,7 +332,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.kv.step_computed()
         for r, n in zip(out.requests, out.num_new_tokens, strict=True):
             r.num_computed_tokens += n
-            self.kv.cache_computed_blocks(r)
+            self.kv.cache_blocks(r)
         for i, r in enumerate(out.requests):
             if r.num_computed_tokens == r.num_tokens:  # caught up: "sample" a token
                 r.append_token(new_tokens[i % len(new_tokens)])

@@ -118,6 +118,25 @@ def test_completion_stream_n2_prompts2(client):
     assert texts == {c.index: c.text for c in whole.choices}
 
 
+def test_stream_sends_each_finish_once(client):
+    """n = 2 where one completion stops early (a stop string only it produces): its finish
+    chunk comes once, while its sibling goes on streaming."""
+    args = dict(model=MODEL, prompt="One, two,", max_tokens=12, n=2, seed=7, temperature=0.8)
+    first, second = (c.text for c in client.completions.create(**args).choices)
+    stop = next(
+        first[i : i + 2] for i in range(1, len(first) - 1) if first[i : i + 2] not in second
+    )
+    finishes: dict[int, list[str]] = {0: [], 1: []}
+    texts = {0: "", 1: ""}
+    for chunk in client.completions.create(**args, stop=[stop], stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.finish_reason is not None:
+                finishes[c.index].append(c.finish_reason)
+    assert finishes == {0: ["stop"], 1: ["length"]}
+    assert texts == {0: first[: first.index(stop)], 1: second}
+
+
 def test_logprobs_shapes(client):
     r = client.completions.create(
         model=MODEL, prompt="Hello", max_tokens=4, temperature=0, logprobs=3
