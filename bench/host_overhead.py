@@ -20,7 +20,8 @@ small, and timed on its own (the forward and the LM head, through wrappers) to b
 
 Batch sizes 1, 32 and 128 (--quick: 1 and 32). One thread. Last line:
     RESULT host_us_per_request_b128=.. final_x_cumulative_b128=.. tandem_x_hf_host_b128=..
-(the largest batch measured; x: the ratio of host times, > 1 when the first is slower)
+(the largest batch measured; x: the ratio of host times, > 1 when the first is slower;
+each figure the best of two runs)
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ import torch
 from bench.workload import MODEL
 
 PROMPT_LEN, NEW_TOKENS = 256, 128
+# The first ids of SmolLM2's vocabulary (real BPE tokens to detokenize): the argmax over a
+# 49152-wide vocabulary alone took ~40 us per request on this CPU, a GPU's work.
+VOCAB = 4096
 
 
 def make_model(root: Path) -> Path:
@@ -57,7 +61,7 @@ def make_model(root: Path) -> Path:
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,
-        vocab_size=len(tokenizer),
+        vocab_size=VOCAB,
         max_position_embeddings=1024,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
@@ -90,7 +94,7 @@ class ModelClock:
 
 def prompts(batch: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(batch)
-    return torch.randint(100, 40000, (batch, PROMPT_LEN), generator=g).tolist()
+    return torch.randint(100, VOCAB, (batch, PROMPT_LEN), generator=g).tolist()
 
 
 def tandem_host(path: Path, batch: int, kind) -> tuple[float, list[list[int]]]:
@@ -157,13 +161,16 @@ def main(argv: list[str] | None = None) -> None:
     from engine import RequestOutputKind
 
     batches = [1, 32] if args.quick else [1, 32, 128]
+    final_only, cumulative_kind = RequestOutputKind.FINAL_ONLY, RequestOutputKind.CUMULATIVE
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = make_model(Path(tmp))
+        tandem_host(path, 4, RequestOutputKind.FINAL_ONLY)  # warm-up (first shapes, imports)
         for batch in batches:
-            final, ids = tandem_host(path, batch, RequestOutputKind.FINAL_ONLY)
-            cumulative, _ = tandem_host(path, batch, RequestOutputKind.CUMULATIVE)
-            hf, hf_ids = hf_host(path, batch)
+            # Each the best of two runs: host times of one run vary by ~20% here.
+            (final, ids), _ = sorted(tandem_host(path, batch, final_only) for _ in range(2))
+            cumulative = min(tandem_host(path, batch, cumulative_kind)[0] for _ in range(2))
+            (hf, hf_ids), _ = sorted(hf_host(path, batch) for _ in range(2))
             same = sum(a == b for a, b in zip(ids, hf_ids, strict=True))
             results[batch] = (final, cumulative, hf)
             print(

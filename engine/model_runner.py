@@ -247,52 +247,47 @@ class ModelRunner:
 
     def _sample(self, hidden: torch.Tensor, verify_rows, result: StepResult) -> None:
         """verify_rows: (request, row of its last real token); its drafts' rows follow."""
-        rows, views, spans, span_members, mask_rows = [], [], [], [], []
+        rows, spans, members = [], [], []
         for request, row in verify_rows:
-            members = [request]
+            drafts = request.spec_token_ids
+            spans.append(
+                VerifyRow(
+                    len(rows),
+                    drafts,
+                    request.draft_probs if drafts else None,
+                    request.params.is_greedy,
+                    request.generator,
+                )
+            )
+            members.append(request)
+            rows.extend(range(row, row + len(drafts) + 1))
             if request.siblings and request.num_output_tokens == 0:
                 # n > 1: the siblings sample their first token from the leader's logits.
-                members += request.siblings
-            for member in members:
-                drafts = member.spec_token_ids if member is request else []
-                spans.append(
-                    VerifyRow(
-                        len(rows),
-                        drafts,
-                        member.draft_probs if drafts else None,
-                        member.params.is_greedy,
-                        member.generator,
+                for sibling in request.siblings:
+                    spans.append(
+                        VerifyRow(len(rows), [], None, sibling.params.is_greedy, sibling.generator)
                     )
-                )
-                span_members.append(member)
-                for j in range(len(drafts) + 1):
-                    rows.append(row + j)
-                    views.append(RequestAt(member, drafts[:j]) if j else member)
-                    mask_rows.append((member, drafts[:j]))
+                    members.append(sibling)
+                    rows.append(row)
         if not rows:
             return
         # Greedy requests that nothing reshapes need only their rows' argmax; the others' rows
         # go through grammar masks and the logits pipeline on the host.
-        is_fast = [argmax_suffices(m) for m in span_members]
+        is_fast = [argmax_suffices(m) for m in members]
         row_is_fast = [f for s, f in zip(spans, is_fast, strict=True) for _ in range(s.num_rows)]
         argmax, host = fetch_rows(self.device_logits(hidden, rows), row_is_fast)
         slow = [i for i, fast in enumerate(is_fast) if not fast]
         verdicts: list[VerifyResult | None] = [None] * len(spans)
         if slow:
-            host_rows = [r for r, fast in enumerate(row_is_fast) if not fast]
             on_host = self._verify_on_host(
-                host,
-                [spans[i] for i in slow],
-                [span_members[i] for i in slow],
-                [views[r] for r in host_rows],
-                [mask_rows[r] for r in host_rows],
-                result,
+                host, [spans[i] for i in slow], [members[i] for i in slow], result
             )
             for i, verdict in zip(slow, on_host, strict=True):
                 verdicts[i] = verdict
-        for i in (i for i, fast in enumerate(is_fast) if fast):
-            verdicts[i] = verify_greedy(spans[i], argmax)
-        for span, member, verdict in zip(spans, span_members, verdicts, strict=True):
+        for i, fast in enumerate(is_fast):
+            if fast:
+                verdicts[i] = verify_greedy(spans[i], argmax)
+        for span, member, verdict in zip(spans, members, verdicts, strict=True):
             result.sampled.append((member, verdict.tokens))
             if span.drafts:
                 result.num_accepted[member] = verdict.num_accepted
@@ -302,15 +297,18 @@ class ModelRunner:
         host: torch.Tensor,  # [R, V] float32, these spans' rows one after another
         spans: list[VerifyRow],  # their starts index the step's rows, not host's
         members: list[Request],
-        views: list[Request | RequestAt],  # [R] what the logits pipeline sees at each row
-        mask_rows: list[tuple[Request, list[int]]],  # [R] grammar (request, drafts before)
         result: StepResult,
     ) -> list[VerifyResult]:
         """Grammar masks, the logits pipeline, verification and the logprobs asked for."""
         host_spans, row = [], 0
-        for span in spans:
+        views: list[Request | RequestAt] = []  # [R] what the logits pipeline sees at each row
+        mask_rows: list[tuple[Request, list[int]]] = []  # [R] grammar: (request, drafts before)
+        for span, member in zip(spans, members, strict=True):
             host_spans.append(replace(span, start=row))
             row += span.num_rows
+            for j in range(span.num_rows):
+                views.append(RequestAt(member, span.drafts[:j]) if j else member)
+                mask_rows.append((member, span.drafts[:j]))
         if self.logits_masker is not None:
             mask_logits(self.logits_masker, host, mask_rows)
         batch = SamplingBatch.from_requests(views, self.cfg.vocab_size)
