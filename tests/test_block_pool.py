@@ -430,6 +430,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         free = set(pool.free_queue)
         assert len(free) == pool.num_free
         assert free == {b for b in range(1, pool.num_blocks) if pool.ref_counts[b] == 0}
+        # Prefix-cache cursors: only for requests holding blocks, never past their tables.
+        for request, num_offered in self.kv.num_offered.items():
+            assert num_offered <= len(self.kv.block_tables[request])
 
     @invariant()
     def hash_index_is_consistent(self):
