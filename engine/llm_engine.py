@@ -18,7 +18,15 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner, StepResult, kv_bytes_per_block
 from engine.models.loader import load_model, read_generation_eos
 from engine.models.registry import resolve_model
-from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from engine.outputs import (
+    NOTHING_SENT,
+    CompletionOutput,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+    Sent,
+    advance,
+)
 from engine.request import FINISH_REASONS, Request, RequestStatus, step_token_kinds
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -39,10 +47,9 @@ class RequestGroup:
         self.requests = requests
         self.detokenizers: list[IncrementalDetokenizer] = detoks
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
-        self.output_kind = requests[0].params.output_kind
-        # DELTA: per completion, (characters, tokens) of it already in an output, and whether
-        # its finish was; whether the prompt logprobs were.
-        self.sent = [(0, 0, False)] * len(requests)
+        # DELTA: per completion, what of it is already in an output; whether the prompt
+        # logprobs are.
+        self.sent: list[Sent] = [NOTHING_SENT] * len(requests)
         self.sent_prompt_logprobs = False
 
     @property
@@ -558,7 +565,7 @@ class LLMEngine:
         so far (CUMULATIVE), what is new (DELTA: completions with nothing new are left out),
         or nothing until it has finished (FINAL_ONLY)."""
         finished = group.finished
-        kind = group.output_kind
+        kind = group.requests[0].params.output_kind
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
         completions = []
@@ -566,12 +573,12 @@ class LLMEngine:
             text = detok.visible_text(request.is_finished)
             chars = tokens = 0
             if kind == RequestOutputKind.DELTA:
-                chars, tokens, finish_sent = group.sent[request.index]
+                chars, tokens, _ = sent = group.sent[request.index]
                 ended = request.is_finished
-                unchanged = len(text) == chars and request.num_output_tokens == tokens
-                if unchanged and (not ended or finish_sent):
+                sent = advance(sent, len(text), request.num_output_tokens, ended)
+                if sent is None:
                     continue  # nothing new of this completion
-                group.sent[request.index] = (len(text), request.num_output_tokens, ended)
+                group.sent[request.index] = sent
             completions.append(self._completion(request, text, chars, tokens))
         leader, failed = group.requests[0], group.failed
         prompt_lps = None

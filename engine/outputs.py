@@ -47,6 +47,21 @@ class CompletionOutput:
         )
 
 
+# What of one completion a stream has already carried: (characters, tokens, its finish).
+Sent = tuple[int, int, bool]
+NOTHING_SENT: Sent = (0, 0, False)
+
+
+def advance(sent: Sent, num_chars: int, num_tokens: int, finished: bool) -> Sent | None:
+    """The completion's new cursor if it has something a stream has not carried yet (text,
+    tokens, or its finish, which is sent once), else None. Shared by the engine's DELTA outputs
+    and the server's SSE chunks, which must agree on what counts as new."""
+    unchanged = num_chars == sent[0] and num_tokens == sent[1]
+    if unchanged and (not finished or sent[2]):
+        return None
+    return (num_chars, num_tokens, finished)
+
+
 @dataclass
 class RequestMetrics:
     arrival_time: float

@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.llm import chat_prompt_ids
-from engine.outputs import RequestOutput
+from engine.outputs import NOTHING_SENT, RequestOutput, Sent, advance
 from lora.adapter import LoRARequest
 from playground import protocol
 from playground.async_engine import AsyncEngine, EngineDeadError, RequestStream
@@ -306,7 +306,7 @@ async def _sse(
             for i in range(len(streams) * n)
         ]
         yield event(ctx.envelope(first, chunk=True))
-    sent: dict[int, tuple[int, int, bool]] = {}  # choice index -> (chars, tokens, finish) sent
+    sent: dict[int, Sent] = {}  # choice index -> what of it the chunks so far carried
     prompt_tokens: dict[int, int] = {}
     completion_tokens: dict[int, int] = {}
     try:
@@ -317,11 +317,11 @@ async def _sse(
             choices = []
             for c in out.outputs:
                 index = i * n + c.index
-                chars, toks, finish_sent = sent.get(index, (0, 0, False))
-                unchanged = len(c.text) == chars and len(c.token_ids) == toks
-                if unchanged and (c.finish_reason is None or finish_sent):
+                chars, toks, _ = before = sent.get(index, NOTHING_SENT)
+                now = advance(before, len(c.text), len(c.token_ids), c.finish_reason is not None)
+                if now is None:
                     continue  # nothing new: a sibling's step, or after its finish chunk
-                sent[index] = (len(c.text), len(c.token_ids), c.finish_reason is not None)
+                sent[index] = now
                 completion_tokens[index] = len(c.token_ids)
                 choices.append(
                     protocol.choice(ctx, index, c.since(chars, toks), logprobs, delta=True)
