@@ -18,14 +18,16 @@ synchronize for whole runs; model loading and warm-up are excluded.
   SGMV kernels (lora.batch.LoRABatch on the Triton path) with 8 distinct rank-16 adapters on all
   seven projections, 8 rows each.
 - verify: one speculative step's sampling of 64 temperature-1 requests with 4 one-hot drafts
-  each over the largest model's vocabulary: the engine's path today (the [320, V] logits to the
-  host, then spec.rejection.verify) against kernels.triton_rejection on the device (softmax,
-  noise and both kernels there, 64 x 5 tokens back).
+  each over the largest model's vocabulary: the [320, V] logits to the host and
+  spec.rejection.verify there (the engine before sampling moved to the device) against the
+  engine's path, spec.rejection.verify_batched with kernels.triton_rejection (softmax, the
+  draws and both kernels on the device, 64 x 5 tokens back).
 - decode: the engine at batch 1 (prompt 512, 128 new tokens): decode tokens/s against the
   roofline (weights + the KV read per step, over the copy bandwidth), with CUDA graphs (the
   default) and with enforce_eager=True.
 - sweep: the engine at batch 1..128 (prompt 128, 128 new tokens, EOS ignored, greedy) against
-  HF `generate` one request at a time (sequential) and in static batches of the same size.
+  HF `generate` one request at a time (sequential) and in static batches of the same size; then
+  the largest batch sampled (temperature 0.8, top-p 0.95) against its greedy run.
 
 Last line: RESULT decode_attention_bw_ratio=.. verify_attention_bw_ratio=..
 decode_roofline_fraction_1b=..
@@ -271,35 +273,30 @@ def bench_lora(model_dir: Path) -> dict:
 
 
 def bench_verify(vocab: int) -> dict:
-    """Sampling a verify step: logits to the host + spec.rejection.verify (the engine today)
-    vs softmax, noise and kernels.triton_rejection on the device."""
+    """Sampling a verify step: the [R, V] logits to the host and spec.rejection.verify there
+    (the engine before sampling moved to the device) vs. the engine's path now,
+    spec.rejection.verify_batched on the device with the fused kernel (softmax, the draws and
+    both kernels there; tokens back in one copy)."""
+    from engine.device import to_host
     from kernels.triton_rejection import rejection_verify
-    from spec.rejection import VerifyRow, verify
+    from spec.rejection import VerifyRow, verify, verify_batched
 
     num_reqs, num_drafts = SIZES["verify"]
     rows_each = num_drafts + 1
     num_rows = num_reqs * rows_each
     logits = torch.randn(num_rows, vocab, device=DEV, dtype=DTYPE) * 3
-    drafts = logits.view(num_reqs, rows_each, vocab)[:, :-1].argmax(-1)  # [B, d]: often kept
-    rows = [
-        VerifyRow(b * rows_each, drafts[b].tolist(), None, False, None) for b in range(num_reqs)
-    ]
-    generator = torch.Generator().manual_seed(0)
-    draft_ids = torch.cat([drafts, drafts[:, :1]], dim=1).reshape(-1)  # last rows: unused
-    cu_rows = torch.arange(0, num_rows + 1, rows_each, device=DEV)
-    flags = torch.zeros(num_reqs, dtype=torch.bool, device=DEV)
+    drafts = logits.view(num_reqs, rows_each, vocab)[:, :-1].argmax(-1).tolist()  # often kept
+    rows = [VerifyRow(b * rows_each, drafts[b], None, False, None) for b in range(num_reqs)]
+    host_generator = torch.Generator().manual_seed(0)
+    device_generator = torch.Generator(DEV).manual_seed(0)
 
     def on_host():
-        verify(logits.float().cpu(), rows, generator)
+        verify(logits.float().cpu(), rows, host_generator)
 
     def on_device():
-        probs = logits.float().softmax(-1)
-        noise = torch.empty_like(probs).exponential_()
-        uniforms = torch.rand(num_rows, device=DEV)
-        tokens, num_accepted = rejection_verify(
-            probs, draft_ids, None, cu_rows, flags, flags, uniforms, noise, rows_each
-        )
-        tokens.tolist(), num_accepted.tolist()  # the step's one host sync
+        pending = verify_batched(logits.float(), rows, device_generator, rejection_verify)
+        tokens, accepted = to_host([pending.tokens, pending.num_accepted])  # the one sync
+        pending.results(tokens.tolist(), accepted.tolist())
 
     host, fused = do_bench(on_host), do_bench(on_device)
     print(
@@ -309,9 +306,11 @@ def bench_verify(vocab: int) -> dict:
     return {"host_ms": host, "fused_ms": fused, "x_host": host / fused}
 
 
-def engine_run(model_dir: Path, prompts, max_tokens: int, max_num_seqs: int, eager=False):
+def engine_run(
+    model_dir: Path, prompts, max_tokens: int, max_num_seqs: int, eager=False, sampled=False
+):
     """(seconds, output tokens, decode-only seconds, decode steps) for one engine run;
-    eager: no CUDA graphs."""
+    eager: no CUDA graphs; sampled: temperature 0.8, top-p 0.95 instead of greedy."""
     from engine import LLM, SamplingParams
 
     llm = LLM(
@@ -322,6 +321,8 @@ def engine_run(model_dir: Path, prompts, max_tokens: int, max_num_seqs: int, eag
         enforce_eager=eager,
     )
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    if sampled:
+        params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=max_tokens, ignore_eos=True)
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     engine = llm.engine
     for i, p in enumerate(prompts):
@@ -421,7 +422,16 @@ def bench_sweep(model_dir: Path, name: str, quick: bool) -> dict:
             f"{rows[b]['hf_static_tok_s']:.0f}, HF sequential {hf_seq:.0f}: "
             f"{rows[b]['x_hf_seq']:.1f}x seq, {rows[b]['x_hf_static']:.2f}x static"
         )
-    return {"hf_seq_tok_s": hf_seq, "batches": rows}
+    # Sampling on the device: the largest batch again with temperature and top-p.
+    b = batches[-1]
+    seconds, tokens, _, _ = engine_run(model_dir, prompts[:b], new, b, sampled=True)
+    sampled = {"batch": b, "tandem_tok_s": tokens / seconds}
+    sampled["x_greedy"] = sampled["tandem_tok_s"] / rows[b]["tandem_tok_s"]
+    print(
+        f"sweep {name} batch {b} sampled (temperature 0.8, top-p 0.95): "
+        f"{sampled['tandem_tok_s']:.0f} tok/s, {sampled['x_greedy']:.2f}x greedy"
+    )
+    return {"hf_seq_tok_s": hf_seq, "batches": rows, "sampled": sampled}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,3 +48,13 @@ def _moved(obj, device: torch.device):
         fields = {f.name: _moved(getattr(obj, f.name), device) for f in dataclasses.fields(obj)}
         return dataclasses.replace(obj, **fields)
     return obj
+
+
+def to_host(tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """CPU copies of these tensors (None stays None), waiting for their device once: the
+    copies are queued without blocking, then the stream is synchronized."""
+    out = [None if t is None else t.to("cpu", non_blocking=True) for t in tensors]
+    devices = {t.device for t in tensors if t is not None and t.device.type == "cuda"}
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()
+    return out

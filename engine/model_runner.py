@@ -5,10 +5,14 @@ positions, slot mapping, attention metadata), runs the model, samples the rows t
 up, and returns plain Python results (the one host sync of the step).
 
 Inputs are built on the host and copied to the model's device; the KV cache and the weights live
-there (CUDA: bf16 by default). Greedy requests that nothing reshapes (no bias, penalties, bans,
-grammar or logprobs) need only their rows' argmax, taken on the device; the other sampled rows'
-logits come back to the host as float32 in one copy, and sampling, verification and logprobs run
-there, the same code on every device: per-request seeds give the same draws on CPU and GPU.
+there (CUDA: bf16 by default). Sampling runs where the logits are: greedy requests that nothing
+reshapes (no bias, penalties, bans, grammar or logprobs) take their rows' argmax; the others go
+through grammar masks, the logits pipeline and batched verification (spec.rejection.
+verify_batched; the fused Triton kernel with the Triton backend) in float32, and their logprobs
+are gathered there. Only token ids, acceptance counts and the logprobs asked for come back, in
+one copy that waits for the device once. Random draws come from generators on the logits'
+device: a seeded request reproduces its tokens on one kind of device (CPU and CUDA draw
+differently).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 
 from engine.attention import build_metadata, slot_ids
 from engine.cuda_graphs import GraphRunner
-from engine.device import host_tensor, to_device
+from engine.device import host_tensor, to_device, to_host
 from engine.models.llama import LlamaForCausalLM, ModelConfig
 from engine.request import Request
 from engine.sampler import (
@@ -30,8 +34,9 @@ from engine.sampler import (
     top_logprobs,
 )
 from engine.scheduler import SchedulerOutput
+from kernels import reference
 from lora.batch import LoRABatch, LoRASlots
-from spec.rejection import VerifyResult, VerifyRow, verify, verify_greedy
+from spec.rejection import VerifyResult, VerifyRow, verify_batched, verify_greedy
 
 # token id -> (logprob, rank) for one position
 RawLogprobs = dict[int, tuple[float, int]]
@@ -42,31 +47,13 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype=torch.float32) -
     return cfg.num_layers * 2 * cfg.num_kv_heads * block_size * cfg.head_dim * elem
 
 
-def logprob_entry(token: int, chosen, rank, values, ids, num_top: int) -> RawLogprobs:
-    """The chosen token's (logprob, rank) plus the top num_top, for one position."""
-    entry = {token: (float(chosen), int(rank))}
+def logprob_entry(token: int, chosen: float, rank: int, values, ids, num_top: int) -> RawLogprobs:
+    """The chosen token's (logprob, rank) plus the top num_top (values, ids: lists), for one
+    position."""
+    entry = {token: (chosen, rank)}
     for k in range(num_top):
-        entry.setdefault(int(ids[k]), (float(values[k]), k + 1))
+        entry.setdefault(ids[k], (values[k], k + 1))
     return entry
-
-
-def fetch_rows(
-    logits: torch.Tensor,  # [R, V] on the model's device
-    is_fast: list[bool],  # [R] rows for which the argmax is enough
-) -> tuple[list[int] | None, torch.Tensor | None]:
-    """Brings to the host what the step needs of each row: the argmax of every row (taken on
-    the device: R ids cross, not R x V logits) when any row is fast, and the float32 logits of
-    the other rows [R_slow, V] in one copy, which also waits for the ids."""
-    ids = logits.argmax(dim=-1) if any(is_fast) else None  # [R]
-    slow = [i for i, fast in enumerate(is_fast) if not fast]
-    host = None
-    if slow:
-        if ids is not None:
-            ids = ids.to("cpu", non_blocking=True)  # ready once the copy below has run
-        if len(slow) < len(is_fast):
-            logits = logits[to_device(host_tensor(slow), logits.device)]
-        host = logits.float().cpu()
-    return (ids.tolist() if ids is not None else None), host
 
 
 def mask_logits(masker, logits: torch.Tensor, rows: list[tuple[Request, list[int]]]) -> None:
@@ -139,7 +126,13 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
         )
-        self.generator = torch.Generator().manual_seed(0)
+        self.generator = torch.Generator(self.device).manual_seed(0)  # unseeded requests' draws
+        # Batched verification: the fused kernel with the Triton backend, else its reference.
+        self.verify_kernel = reference.rejection_verify
+        if attention_backend == "triton":
+            from kernels.triton_rejection import rejection_verify
+
+            self.verify_kernel = rejection_verify
         # Constrained decoding: masker(logits [R, V], [(request, drafts before row i)]) in place.
         self.logits_masker = None
         self.lora_slots: LoRASlots | None = None  # adapter slots, when LoRA is enabled
@@ -256,7 +249,7 @@ class ModelRunner:
                     drafts,
                     request.draft_probs if drafts else None,
                     request.params.is_greedy,
-                    request.generator,
+                    request.generator_on(self.device),
                 )
             )
             members.append(request)
@@ -264,71 +257,100 @@ class ModelRunner:
             if request.siblings and request.num_output_tokens == 0:
                 # n > 1: the siblings sample their first token from the leader's logits.
                 for sibling in request.siblings:
-                    spans.append(
-                        VerifyRow(len(rows), [], None, sibling.params.is_greedy, sibling.generator)
-                    )
+                    gen = sibling.generator_on(self.device)
+                    spans.append(VerifyRow(len(rows), [], None, sibling.params.is_greedy, gen))
                     members.append(sibling)
                     rows.append(row)
         if not rows:
             return
         # Greedy requests that nothing reshapes need only their rows' argmax; the others' rows
-        # go through grammar masks and the logits pipeline on the host.
+        # go through grammar masks, the logits pipeline and verification.
         is_fast = [argmax_suffices(m) for m in members]
-        row_is_fast = [f for s, f in zip(spans, is_fast, strict=True) for _ in range(s.num_rows)]
-        argmax, host = fetch_rows(self.device_logits(hidden, rows), row_is_fast)
+        logits = self.device_logits(hidden, rows)  # [R, V] on the device
+        argmax = logits.argmax(dim=-1) if any(is_fast) else None  # [R]
         slow = [i for i, fast in enumerate(is_fast) if not fast]
+        pending, finish = [], None
+        if slow:
+            slow_rows = [r for i in slow for r in range(spans[i].start, spans[i].end)]
+            if len(slow_rows) < len(rows):
+                logits = logits[to_device(host_tensor(slow_rows), self.device)]
+            pending, finish = self._verify(
+                logits.float(), [spans[i] for i in slow], [members[i] for i in slow]
+            )
+        argmax, *copies = to_host([argmax, *pending])  # the step's one wait for the device
         verdicts: list[VerifyResult | None] = [None] * len(spans)
         if slow:
-            on_host = self._verify_on_host(
-                host, [spans[i] for i in slow], [members[i] for i in slow], result
-            )
-            for i, verdict in zip(slow, on_host, strict=True):
+            for i, verdict in zip(slow, finish(copies, result), strict=True):
                 verdicts[i] = verdict
-        for i, fast in enumerate(is_fast):
-            if fast:
-                verdicts[i] = verify_greedy(spans[i], argmax)
+        if argmax is not None:
+            argmax = argmax.tolist()
+            for i, fast in enumerate(is_fast):
+                if fast:
+                    verdicts[i] = verify_greedy(spans[i], argmax)
         for span, member, verdict in zip(spans, members, verdicts, strict=True):
             result.sampled.append((member, verdict.tokens))
             if span.drafts:
                 result.num_accepted[member] = verdict.num_accepted
 
-    def _verify_on_host(
+    def _verify(
         self,
-        host: torch.Tensor,  # [R, V] float32, these spans' rows one after another
-        spans: list[VerifyRow],  # their starts index the step's rows, not host's
+        logits: torch.Tensor,  # [R, V] float32 on the device: these spans' rows in order
+        spans: list[VerifyRow],  # their starts index the step's rows, not logits'
         members: list[Request],
-        result: StepResult,
-    ) -> list[VerifyResult]:
-        """Grammar masks, the logits pipeline, verification and the logprobs asked for."""
-        host_spans, row = [], 0
+    ):
+        """Grammar masks, the logits pipeline, verification and the logprobs asked for, queued
+        on the device. Returns the device tensors to copy to the host and finish(copies,
+        result) -> the verdicts, which records the logprobs in result."""
+        device, row = logits.device, 0
+        own_spans: list[VerifyRow] = []  # the spans with starts into logits
         views: list[Request | RequestAt] = []  # [R] what the logits pipeline sees at each row
         mask_rows: list[tuple[Request, list[int]]] = []  # [R] grammar: (request, drafts before)
         for span, member in zip(spans, members, strict=True):
-            host_spans.append(replace(span, start=row))
+            own_spans.append(replace(span, start=row))
             row += span.num_rows
             for j in range(span.num_rows):
                 views.append(RequestAt(member, span.drafts[:j]) if j else member)
                 mask_rows.append((member, span.drafts[:j]))
         if self.logits_masker is not None:
-            mask_logits(self.logits_masker, host, mask_rows)
-        batch = SamplingBatch.from_requests(views, self.cfg.vocab_size)
-        verdicts = verify(process_logits(host, batch), host_spans, self.generator)
-        lp_rows, lp_tokens, lp_members = [], [], []
-        for span, member, verdict in zip(host_spans, members, verdicts, strict=True):
-            if member.params.logprobs is not None:
-                lp_rows += range(span.start, span.start + len(verdict.tokens))
-                lp_tokens += verdict.tokens
-                lp_members += [member] * len(verdict.tokens)
-        if lp_rows:
-            num_top = max(m.params.logprobs for m in lp_members)
-            lp = torch.log_softmax(host[torch.tensor(lp_rows)], dim=-1)
-            chosen, rank, values, ids = top_logprobs(lp, torch.tensor(lp_tokens), num_top)
-            for j, (member, token) in enumerate(zip(lp_members, lp_tokens, strict=True)):
-                entry = logprob_entry(
-                    token, chosen[j], rank[j], values[j], ids[j], member.params.logprobs
-                )
-                result.logprobs.setdefault(member, []).append(entry)
-        return verdicts
+            mask_logits(self.logits_masker, logits, mask_rows)
+        batch = SamplingBatch.from_requests(views, self.cfg.vocab_size, device)
+        processed = process_logits(logits, batch)
+        pending = verify_batched(processed, own_spans, self.generator, self.verify_kernel)
+        # Logprobs of every row of the requests that ask (where each walk ends is not known
+        # yet), each for the token the walk emits there; rows past its end are dropped later.
+        asking = [k for k, m in enumerate(members) if m.params.logprobs is not None]
+        lp = []
+        if asking:
+            lp_rows, lp_requests, lp_positions = [], [], []
+            for k in asking:
+                span = own_spans[k]
+                lp_rows += range(span.start, span.end)
+                lp_requests += [k] * span.num_rows
+                lp_positions += range(span.num_rows)
+            lp_rows, lp_requests, lp_positions = to_device(
+                (host_tensor(lp_rows), host_tensor(lp_requests), host_tensor(lp_positions)), device
+            )
+            emitted = pending.tokens[lp_requests, lp_positions].clamp(min=0)  # [L]
+            num_top = max(members[k].params.logprobs for k in asking)
+            lp = top_logprobs(torch.log_softmax(logits[lp_rows], dim=-1), emitted, num_top)
+
+        def finish(copies: list[torch.Tensor], result: StepResult) -> list[VerifyResult]:
+            verdicts = pending.results(copies[0].tolist(), copies[1].tolist())
+            if asking:
+                chosen, rank, values, ids = (t.tolist() for t in copies[2:])
+                j = 0
+                for k in asking:
+                    member, verdict = members[k], verdicts[k]
+                    for token in verdict.tokens:
+                        entry = logprob_entry(
+                            token, chosen[j], rank[j], values[j], ids[j], member.params.logprobs
+                        )
+                        result.logprobs.setdefault(member, []).append(entry)
+                        j += 1
+                    j += own_spans[k].num_rows - len(verdict.tokens)
+            return verdicts
+
+        return [pending.tokens, pending.num_accepted, *lp], finish
 
     def _prompt_logprobs(self, hidden, items: list[ForwardItem], result: StepResult) -> None:
         start_row = 0
@@ -344,13 +366,12 @@ class ModelRunner:
                 last = min(start + n, request.num_prompt_tokens - 1)
                 if last > first:
                     h = hidden[start_row + first - start : start_row + last - start]
-                    lp = torch.log_softmax(self.logits(h), dim=-1)
-                    targets = torch.tensor(request.token_ids[first + 1 : last + 1])
-                    chosen, rank, values, ids = top_logprobs(lp, targets, num_top)
+                    targets = request.token_ids[first + 1 : last + 1]
+                    lp = torch.log_softmax(self.device_logits(h, None).float(), dim=-1)
+                    top = top_logprobs(lp, to_device(host_tensor(targets), self.device), num_top)
+                    chosen, rank, values, ids = (t.tolist() for t in to_host(list(top)))
                     result.prompt_logprobs[request] = [
-                        logprob_entry(
-                            int(targets[j]), chosen[j], rank[j], values[j], ids[j], num_top
-                        )
-                        for j in range(last - first)
+                        logprob_entry(t, chosen[j], rank[j], values[j], ids[j], num_top)
+                        for j, t in enumerate(targets)
                     ]
             start_row = rows_end

@@ -106,7 +106,8 @@ class Request(TokenHistory):
         self.cache_extra_keys = cache_extra_keys
         self.block_size = block_size
         self.block_hashes: list[bytes] = []
-        self.generator: torch.Generator | None = None
+        self.generator: torch.Generator | None = None  # seeded requests' own draws, on CPU
+        self._device_generator: torch.Generator | None = None  # the same seed elsewhere
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed + 1_000_003 * index)
         self.logprobs: list = []  # per output token, when params.logprobs is set
@@ -163,6 +164,16 @@ class Request(TokenHistory):
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    def generator_on(self, device: torch.device) -> torch.Generator | None:
+        """This request's own generator on device (None when unseeded): `generator` on CPU,
+        else one made from the same initial state, on first use."""
+        if self.generator is None or device.type == "cpu":
+            return self.generator
+        if self._device_generator is None:
+            seed = self.generator.initial_seed()
+            self._device_generator = torch.Generator(device).manual_seed(seed)
+        return self._device_generator
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

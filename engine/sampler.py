@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.device import host_tensor, to_device
 from engine.request import Request, TokenHistory
 
 NEG_INF = float("-inf")
@@ -47,63 +48,123 @@ class SamplingBatch:
     is_greedy: torch.Tensor  # [M] bool
     all_greedy: bool
     top_k: torch.Tensor | None  # [M] int64, vocab size where disabled
+    max_top_k: int  # the largest of top_k (0 without top_k): the width of one topk
     top_p: torch.Tensor | None  # [M]
     min_p: torch.Tensor | None  # [M]
 
     @classmethod
-    def from_requests(cls, requests: list[Request | RequestAt], vocab_size: int) -> SamplingBatch:
+    def from_requests(
+        cls,
+        requests: list[Request | RequestAt],
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+    ) -> SamplingBatch:
+        """The batch's parameters as tensors on `device` (the logits' device), copied there
+        without waiting for it."""
         params = [r.params for r in requests]
         greedy = [p.is_greedy for p in params]
         temps = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
         top_k = top_p = min_p = None
+        max_top_k = 0
         if any(p.top_k for p in params):
-            top_k = torch.tensor([min(p.top_k or vocab_size, vocab_size) for p in params])
+            ks = [min(p.top_k or vocab_size, vocab_size) for p in params]
+            top_k, max_top_k = host_tensor(ks), max(ks)
         if any(p.top_p < 1.0 for p in params):
-            top_p = torch.tensor([p.top_p for p in params])
+            top_p = host_tensor([p.top_p for p in params], torch.float32)
         if any(p.min_p > 0.0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params])
-        return cls(
+            min_p = host_tensor([p.min_p for p in params], torch.float32)
+        batch = cls(
             requests=requests,
-            temperature=torch.tensor(temps),
+            temperature=host_tensor(temps, torch.float32),
             is_greedy=torch.tensor(greedy),
             all_greedy=all(greedy),
             top_k=top_k,
+            max_top_k=max_top_k,
             top_p=top_p,
             min_p=min_p,
         )
+        return to_device(batch, torch.device(device))
 
 
 def apply_logit_bias_and_bans(logits: torch.Tensor, requests: list[Request]) -> None:
+    """Logit bias, then min_tokens bans (EOS and stop token ids -inf until min_tokens outputs),
+    for all rows at once: no step waits on the logits' device."""
+    rows, ids, values = [], [], []
     for row, r in enumerate(requests):
-        p = r.params
-        if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias.keys()))
-            logits[row].index_add_(0, ids, torch.tensor(list(p.logit_bias.values())))
-        if r.num_output_tokens < p.min_tokens:
-            banned = list(r.eos_token_ids) + list(p.stop_token_ids)
+        for token, value in r.params.logit_bias.items() if r.params.logit_bias else ():
+            rows.append(row)
+            ids.append(token)
+            values.append(value)
+    if rows:
+        index = to_device((host_tensor(rows), host_tensor(ids)), logits.device)
+        bias = to_device(host_tensor(values, torch.float32), logits.device)
+        logits.index_put_(index, bias.to(logits.dtype), accumulate=True)
+    rows, ids, banned_rows = [], [], []
+    for row, r in enumerate(requests):
+        if r.num_output_tokens < r.params.min_tokens:
+            banned = list(r.eos_token_ids) + list(r.params.stop_token_ids)
             if banned:
-                kept = logits[row, banned].clone()
-                logits[row, banned] = NEG_INF
-                if not torch.isfinite(logits[row]).any():  # a grammar that can only end here
-                    logits[row, banned] = kept  # wins over min_tokens
+                rows += [len(banned_rows)] * len(banned)
+                ids += banned
+                banned_rows.append(row)
+    if not rows:
+        return
+    which, ids, banned_rows = to_device(
+        (host_tensor(rows), host_tensor(ids), host_tensor(banned_rows)), logits.device
+    )
+    index = (banned_rows[which], ids)  # ([N], [N]): every (row, banned token)
+    kept = logits[index]  # [N]
+    logits[index] = NEG_INF
+    # A grammar that can only end here wins over min_tokens: such a row gets its bans back.
+    alive = torch.isfinite(logits[banned_rows]).any(dim=-1)  # [rows with bans]
+    logits[index] = torch.where(alive[which], NEG_INF, kept)
+
+
+def _row_id_table(lists: list[list[int]], device: torch.device) -> torch.Tensor:
+    """[len(lists), longest] int64 on device: each (non-empty) list padded with its own first
+    id, so a gather and a scatter back over a row touch only ids of that row."""
+    width = max(map(len, lists))
+    flat = []
+    for ids in lists:
+        flat += ids
+        flat += ids[:1] * (width - len(ids))
+    return to_device(host_tensor(flat).view(len(lists), width), device)
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
-    """Repetition (HF: over prompt + output), presence and frequency (OpenAI: output only)."""
-    for row, r in enumerate(requests):
-        p = r.params
-        if not p.has_penalties:
-            continue
-        row_logits = logits[row]
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(r.token_ids)))
-            vals = row_logits[seen]
-            vals = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-            row_logits[seen] = vals
-        if (p.presence_penalty or p.frequency_penalty) and r.num_output_tokens:
-            out_ids = torch.tensor(r.output_token_ids)
-            counts = torch.zeros_like(row_logits).index_add_(0, out_ids, torch.ones(len(out_ids)))
-            row_logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    """Repetition (HF: over prompt + output), presence and frequency (OpenAI: output only),
+    over the rows that have them at once, touching only the ids each row has seen (an id
+    seen twice, or padding, is read twice and written twice with the same value)."""
+    device = logits.device
+    rep = [i for i, r in enumerate(requests) if r.params.repetition_penalty != 1.0]
+    if rep:
+        ids = _row_id_table([requests[i].token_ids for i in rep], device)  # [rep, L]
+        penalty = [requests[i].params.repetition_penalty for i in rep]
+        rows, penalty = to_device(
+            (host_tensor(rep)[:, None], host_tensor(penalty, torch.float32)[:, None]), device
+        )
+        vals = logits[rows, ids]  # [rep, L]
+        logits[rows, ids] = torch.where(vals > 0, vals / penalty, vals * penalty)
+    counted = [
+        i
+        for i, r in enumerate(requests)
+        if (r.params.presence_penalty or r.params.frequency_penalty) and r.num_output_tokens
+    ]
+    if counted:
+        ids = _row_id_table([requests[i].output_token_ids for i in counted], device)  # [c, L]
+        counts = torch.zeros(len(counted), logits.shape[1], dtype=logits.dtype, device=device)
+        counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=logits.dtype))
+        counts = counts.gather(1, ids)  # [c, L]: how often each row's id occurs in its output
+        params = [requests[i].params for i in counted]
+        rows, frequency, presence = to_device(
+            (
+                host_tensor(counted)[:, None],
+                host_tensor([p.frequency_penalty for p in params], torch.float32)[:, None],
+                host_tensor([p.presence_penalty for p in params], torch.float32)[:, None],
+            ),
+            device,
+        )
+        logits[rows, ids] = logits[rows, ids] - (frequency * counts + presence * (counts > 0))
 
 
 def keeps_argmax(request: Request) -> bool:
@@ -136,7 +197,7 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         return logits
     logits.div_(batch.temperature[:, None])
     if batch.top_k is not None:
-        kth = logits.topk(int(batch.top_k.max()), dim=-1).values  # [M, max_k]
+        kth = logits.topk(batch.max_top_k, dim=-1).values  # [M, max_k]
         cutoff = kth.gather(1, (batch.top_k.clamp(max=kth.shape[1]) - 1)[:, None])
         logits.masked_fill_(logits < cutoff, NEG_INF)
     if batch.top_p is not None:

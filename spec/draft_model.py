@@ -19,7 +19,8 @@ import time
 
 import torch
 
-from engine.model_runner import ForwardItem, ModelRunner, fetch_rows, mask_logits
+from engine.device import host_tensor, to_device, to_host
+from engine.model_runner import ForwardItem, ModelRunner, mask_logits
 from engine.request import Request
 from engine.sampler import RequestAt, SamplingBatch, keeps_argmax, process_logits
 from engine.scheduler import SchedulerOutput
@@ -67,19 +68,19 @@ class DraftModelProposer:
 
     def _extend(self, logits: torch.Tensor, requests: list[Request]) -> None:
         """Append each request's next greedy draft (logits [R, V] on the device), under its own
-        logits pipeline: on the host for the requests whose pipeline can move the argmax."""
-        is_fast = [keeps_argmax(r) for r in requests]
-        tokens, host = fetch_rows(logits, is_fast)
-        if host is not None:
-            slow = [i for i, fast in enumerate(is_fast) if not fast]
+        logits pipeline for the requests whose pipeline can move the argmax."""
+        tokens = logits.argmax(dim=-1)  # [R]
+        slow = [i for i, r in enumerate(requests) if not keeps_argmax(r)]
+        if slow:
+            device = logits.device
+            index = to_device(host_tensor(slow), device)
+            part = logits[index].float()  # [S, V]
             if self.logits_masker is not None:  # propose only what the grammar allows
                 rows = [(requests[i], requests[i].spec_token_ids) for i in slow]
-                mask_logits(self.logits_masker, host, rows)
+                mask_logits(self.logits_masker, part, rows)
             views = [RequestAt(requests[i], requests[i].spec_token_ids) for i in slow]
-            batch = SamplingBatch.from_requests(views, self.runner.cfg.vocab_size)
-            slow_tokens = process_logits(host, batch).argmax(dim=-1).tolist()
-            tokens = tokens or [-1] * len(requests)
-            for i, token in zip(slow, slow_tokens, strict=True):
-                tokens[i] = token
+            batch = SamplingBatch.from_requests(views, self.runner.cfg.vocab_size, device)
+            tokens[index] = process_logits(part, batch).argmax(dim=-1)
+        tokens = to_host([tokens])[0].tolist()
         for r, token in zip(requests, tokens, strict=True):
             r.spec_token_ids.append(token)

@@ -24,17 +24,26 @@ share the sampler's batched `exponential_race`.
 
 Random draws (the exponential race: argmax w / E with E ~ Exp(1) is a draw from w / sum w): a
 sampled q costs d uniforms then one exponential vector; one-hot drafts one exponential vector
-per emitted token. A seeded request draws from its own generator, so its tokens do not depend on
-its neighbours in the batch.
+per emitted token (d + 1 up front on the shared generator). A seeded request draws from its own
+generator, so its tokens do not depend on its neighbours in the batch.
+
+`verify` walks the drafts as written above, one request at a time: it is the oracle.
+`verify_batched` is what the engine runs, on the logits' device: the same draws taken up front
+(`draw`), every request verified in one batched call (kernels.reference.rejection_verify, or
+the fused Triton kernel on CUDA), and nothing read back until the caller's one copy to the host
+(`PendingVerify.results`). It emits the tokens `verify` emits from the same generators.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from engine.device import host_tensor, to_device
 from engine.sampler import exponential_race
+from kernels import reference
 
 
 @dataclass(slots=True)
@@ -50,6 +59,10 @@ class VerifyRow:
     @property
     def num_rows(self) -> int:
         return len(self.drafts) + 1
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.drafts) + 1
 
 
 @dataclass(slots=True)
@@ -130,11 +143,146 @@ def _verify_one_hot(
     row: VerifyRow, probs: torch.Tensor, vocab: int, gen: torch.Generator | None
 ) -> VerifyResult:
     """Deterministic drafts: sample each position as plain decoding would, keep going while the
-    sample equals the draft."""
+    sample equals the draft. A seeded request draws one vector per emitted token (its tokens do
+    not depend on k); a row on the shared generator draws all d + 1 at once, as the batched
+    verifier does (it cannot wait to see where the walk stops)."""
+    d = len(row.drafts)
+    ahead = torch.empty(d + 1, vocab).exponential_(generator=gen) if row.generator is None else None
     tokens = []
-    for j in range(len(row.drafts) + 1):
-        noise = torch.empty(vocab).exponential_(generator=gen)
+    for j in range(d + 1):
+        noise = torch.empty(vocab).exponential_(generator=gen) if ahead is None else ahead[j]
         tokens.append(_race(probs[row.start + j], noise))
         if j == len(row.drafts) or tokens[-1] != row.drafts[j]:
             break
     return VerifyResult(tokens, len(tokens) - 1)
+
+
+@dataclass(slots=True)
+class Draws:
+    """The random numbers `verify` would draw for a batch, drawn before any verdict."""
+
+    uniforms: torch.Tensor  # [R] float32 U(0, 1): the accept tests of drafts sampled from q
+    noise: torch.Tensor  # [R, V] float32 Exp(1): the race of each sampled row (1 elsewhere)
+    # Seeded one-hot requests draw a vector for every row, one per row as `verify` does, and
+    # keep their generator's state after each: (request's index, generator, [d + 1 states]).
+    rewinds: list[tuple[int, torch.Generator, list[torch.Tensor]]]
+
+
+def draw(
+    rows: list[VerifyRow],
+    vocab: int,
+    device: torch.device,
+    generator: torch.Generator | None,  # the shared one, on `device`
+) -> Draws:
+    """`verify`'s draws in `verify`'s order: the plain rows' race (unseeded rows in one batch,
+    then each seeded row), then request by request: d uniforms and one vector for whichever row
+    a q-sampled walk stops at (every row of it gets that vector), d + 1 vectors for a one-hot
+    walk. A seeded one-hot walk consumes only the vectors of the tokens it emits: `rewinds`
+    sets its generator back once the verdict is known. Seeded rows' generators are on `device`."""
+    num_rows = sum(r.num_rows for r in rows)
+    uniforms = torch.zeros(num_rows, device=device)
+    noise = torch.empty(num_rows, vocab, device=device)
+    greedy = [j for r in rows if r.greedy for j in range(r.start, r.end)]
+    if greedy:
+        noise[to_device(host_tensor(greedy), device)] = 1.0
+    plain = [r for r in rows if not r.greedy and not r.drafts]
+    unseeded = [r.start for r in plain if r.generator is None]
+    if unseeded:
+        batch = torch.empty(len(unseeded), vocab, device=device).exponential_(generator=generator)
+        noise[to_device(host_tensor(unseeded), device)] = batch
+    for r in plain:
+        if r.generator is not None:
+            noise[r.start].exponential_(generator=r.generator)
+    rewinds = []
+    for i, r in enumerate(rows):
+        if r.greedy or not r.drafts:
+            continue
+        gen, d, start = r.generator or generator, len(r.drafts), r.start
+        if r.draft_probs is not None:
+            uniforms[start : start + d] = torch.rand(d, generator=gen, device=device)
+            noise[start : start + d + 1] = torch.empty(vocab, device=device).exponential_(
+                generator=gen
+            )
+        elif r.generator is None:
+            noise[start : start + d + 1] = torch.empty(d + 1, vocab, device=device).exponential_(
+                generator=gen
+            )
+        else:
+            states = []
+            for j in range(d + 1):
+                noise[start + j] = torch.empty(vocab, device=device).exponential_(generator=gen)
+                states.append(gen.get_state())
+            rewinds.append((i, gen, states))
+    return Draws(uniforms, noise, rewinds)
+
+
+# kernels.reference.rejection_verify's signature: (probs, draft_ids, draft_probs, cu_rows,
+# is_greedy, has_q, uniforms, noise, max_rows) -> (tokens [B, max_rows], num_accepted [B])
+VerifyKernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(slots=True)
+class PendingVerify:
+    """A batch's verdicts, still on the device until the caller copies them to the host."""
+
+    tokens: torch.Tensor  # [B, max_rows] int64: each request's emitted tokens, then -1
+    num_accepted: torch.Tensor  # [B] int64
+    rewinds: list[tuple[int, torch.Generator, list[torch.Tensor]]]
+
+    def results(self, tokens: list[list[int]], num_accepted: list[int]) -> list[VerifyResult]:
+        """The verdicts from the host copies of `tokens` and `num_accepted`; seeded one-hot
+        generators set back to what their walks consumed."""
+        for i, gen, states in self.rewinds:
+            gen.set_state(states[num_accepted[i]])
+        return [VerifyResult(row[: n + 1], n) for row, n in zip(tokens, num_accepted, strict=True)]
+
+
+def verify_batched(
+    processed: torch.Tensor,  # [R, V] float32 processed logits, rows of `rows` in order
+    rows: list[VerifyRow],  # starts 0, 1 + d_0, ...: consecutive
+    generator: torch.Generator | None,  # the shared one, on processed's device
+    kernel: VerifyKernel = reference.rejection_verify,
+) -> PendingVerify:
+    """`verify` on processed's device without waiting for it: the draws, then one kernel call."""
+    device, vocab = processed.device, processed.shape[1]
+    starts = [r.start for r in rows]
+    if not rows or starts != [0, *(r.end for r in rows[:-1])]:
+        raise ValueError(f"rows must be consecutive from 0, got starts {starts}")
+    draws = draw(rows, vocab, device, generator)
+    greedy_rows = [r.greedy for r in rows for _ in range(r.num_rows)]
+    if all(greedy_rows):
+        probs = processed  # argmax only
+    elif not any(greedy_rows):
+        probs = processed.softmax(dim=-1)
+    else:
+        # Greedy rows keep their logits (their argmax, untouched by softmax rounding).
+        greedy = to_device(torch.tensor(greedy_rows), device)
+        probs = torch.where(greedy[:, None], processed, processed.softmax(dim=-1))
+    draft_ids, draft_probs = [], None
+    for r in rows:
+        draft_ids += [*r.drafts, 0]
+        if r.draft_probs is not None:
+            if draft_probs is None:
+                draft_probs = torch.zeros_like(probs)
+            draft_probs[r.start : r.start + len(r.drafts)] = to_device(r.draft_probs, device)
+    inputs = to_device(
+        (
+            host_tensor(draft_ids),
+            host_tensor([*starts, rows[-1].end]),
+            torch.tensor([r.greedy for r in rows]),
+            torch.tensor([r.draft_probs is not None for r in rows]),
+        ),
+        device,
+    )
+    tokens, num_accepted = kernel(
+        probs.contiguous(),
+        inputs[0],
+        draft_probs,
+        inputs[1],
+        inputs[2],
+        inputs[3],
+        draws.uniforms,
+        draws.noise,
+        max(r.num_rows for r in rows),
+    )
+    return PendingVerify(tokens, num_accepted, draws.rewinds)

@@ -4,9 +4,12 @@ real vocabulary when a GPU is present (`gpu` marker).
 
 spec.rejection.verify draws its random numbers as it walks; `spec_draws` replays the same
 generators from copies to hand the batched verifiers exactly the numbers spec used, so the three
-must agree token for token."""
+must agree token for token. spec.rejection.verify_batched, the engine's verifier (draws up front,
+one batched call), must equal it too, generators' states included."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -77,7 +80,9 @@ def spec_draws(rows: list[VerifyRow], results, generator: torch.Generator, vocab
         if row.draft_probs is not None:  # d uniforms, then one vector for wherever it stops
             uniforms[start : start + d] = torch.rand(d, generator=gen)
             noise[start : start + d + 1] = torch.empty(vocab).exponential_(generator=gen)
-        else:  # one vector per emitted token
+        elif own[i] is None:  # the shared generator: d + 1 vectors at once
+            noise[start : start + d + 1] = torch.empty(d + 1, vocab).exponential_(generator=gen)
+        else:  # its own: one vector per emitted token
             for j in range(result.num_accepted + 1):
                 noise[start + j].exponential_(generator=gen)
     return uniforms, noise
@@ -138,6 +143,58 @@ def test_reference_and_kernel_equal_spec(seed, monkeypatch):
     want, inputs = spec_and_inputs(seed, num_reqs=12, vocab=300)
     assert as_lists(*reference.rejection_verify(**inputs)) == want
     assert as_lists(*rejection_verify(**on_device(inputs))) == want
+
+
+def run_both(seed: int, num_reqs: int, vocab: int, kernel):
+    """spec.rejection.verify (the oracle) and verify_batched from equal generators: each one's
+    results and its generators' states afterwards."""
+    gen = torch.Generator().manual_seed(seed)
+    kinds = [KINDS[int(i)] for i in torch.randint(0, 4, (num_reqs,), generator=gen)]
+    num_drafts = torch.randint(0, 5, (num_reqs,), generator=gen).tolist()
+    processed, rows = make_batch(kinds, num_drafts, vocab, gen)
+    runs = []
+    for batched in (False, True):
+        engine = torch.Generator().manual_seed(seed + 1)
+        own = [copy_of(r.generator) for r in rows]
+        mine = [replace(r, generator=g) for r, g in zip(rows, own, strict=True)]
+        if batched:
+            pending = rejection.verify_batched(processed, mine, engine, kernel)
+            tokens, accepted = pending.tokens.tolist(), pending.num_accepted.tolist()
+            results = pending.results(tokens, accepted)
+        else:
+            results = rejection.verify(processed, mine, engine)
+        states = [g.get_state() for g in [engine, *own] if g is not None]
+        runs.append(([(r.tokens, r.num_accepted) for r in results], states))
+    return runs
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("kernel", ["reference", "triton"])
+def test_verify_batched_equals_the_walk(seed, kernel, monkeypatch):
+    """What the engine runs (draws up front, one batched call, seeded one-hot generators set
+    back afterwards) emits the oracle's tokens and leaves every generator as the oracle does."""
+    monkeypatch.setattr(triton_rejection, "BLOCK_V", 64)
+    fn = reference.rejection_verify if kernel == "reference" else rejection_verify
+    (want, want_states), (got, got_states) = run_both(seed, num_reqs=12, vocab=300, kernel=fn)
+    assert got == want
+    assert all(torch.equal(a, b) for a, b in zip(got_states, want_states, strict=True))
+
+
+def test_verify_batched_without_rewinds_is_caught(monkeypatch):
+    """The same test, with the rewinds dropped: a seeded one-hot request's generator ends past
+    what its walk consumed (its next tokens would depend on how many drafts it had)."""
+    real = rejection.draw
+
+    def no_rewinds(*args):
+        draws = real(*args)
+        return replace(draws, rewinds=[])
+
+    monkeypatch.setattr(rejection, "draw", no_rewinds)
+    differs = 0
+    for seed in range(4):
+        (_, want_states), (_, got_states) = run_both(seed, 12, 300, reference.rejection_verify)
+        differs += sum(not torch.equal(a, b) for a, b in zip(got_states, want_states, strict=True))
+    assert differs > 0
 
 
 def test_cases_accept_reject_and_fall_back():

@@ -20,6 +20,7 @@ import torch
 import xgrammar as xgr
 
 from engine.config import MAX_SPECULATIVE_TOKENS
+from engine.device import to_device
 from engine.request import RequestError
 
 if TYPE_CHECKING:
@@ -86,6 +87,7 @@ def apply_bitmask(
     and one masked_fill is ~5x faster than xgrammar's CPU kernel on mostly-forbidden rows
     (16 SmolLM2 rows: 0.9 vs 5.4 ms); other devices use xgrammar's kernels."""
     if logits.device.type != "cpu" or not np.little_endian:
+        bitmask = to_device(bitmask[: max(indices) + 1], logits.device)
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=indices)
         return
     every_row = indices == list(range(logits.shape[0]))
