@@ -164,6 +164,27 @@ def test_top_p_uses_tempered_distribution(temperature):
     np.testing.assert_allclose(out.softmax(-1).numpy(), want, atol=1e-6)
 
 
+@pytest.mark.parametrize("candidates", [16, 256])
+def test_top_p_from_candidates_equals_the_full_sort(candidates, monkeypatch):
+    """CPU top-p looks at the most likely tokens first and sorts a row in full only when they
+    do not hold top_p: the same tokens dropped as sorting every row, on peaked rows (decided
+    from the candidates), flat rows (sorted) and rows with top_p 1, with tokens already
+    excluded (top-k)."""
+    monkeypatch.setattr(sampler_mod, "TOP_P_CANDIDATES", candidates)
+    gen = torch.Generator().manual_seed(candidates)
+    vocab, rows = 3000, 48
+    scale = torch.tensor([0.3, 1.0, 3.0, 8.0]).repeat(rows // 4)[:, None]
+    logits = torch.randn(rows, vocab, generator=gen) * scale
+    logits[::5, vocab // 2 :] = float("-inf")
+    top_p = torch.tensor([0.5, 0.9, 0.95, 1.0, 0.99, 0.2]).repeat(rows // 6)
+    got = sampler_mod.top_p_drop(logits, top_p)
+    assert torch.equal(got, sampler_mod._top_p_drop_sorted(logits, top_p))
+    probs = logits.softmax(-1).topk(candidates).values.sum(-1)
+    decided = (probs >= top_p) & (top_p < 1)
+    assert 0 < int(decided.sum()) < int((top_p < 1).sum())  # both ways are taken
+    assert not got[top_p == 1.0].any() and got.any()
+
+
 @pytest.mark.parametrize(
     "min_p, num_kept", [(0.0, 5), (0.09, 5), (0.25, 3), (0.35, 2), (0.5, 1), (1.0, 1)]
 )

@@ -1,0 +1,149 @@
+"""Sampled decoding against greedy, against HF, and top-p with and without its shortcut.
+
+    python -m bench.sampling [--requests 32] [--tokens 48]
+
+SmolLM2-135M-Instruct (real weights, float32, one thread), 32 chat prompts in one batch, 48 new
+tokens each, EOS ignored. Four runs of the engine on the same requests:
+
+- greedy: temperature 0 (the argmax path);
+- top_p: temperature 0.8, top-p 0.95, a seed per request;
+- top_p_full_sort: the same with `engine.sampler.TOP_P_CANDIDATES` past the vocabulary, so every
+  row is sorted in full (what top-p cost before the shortcut; the tokens must be the same);
+- penalties: top_p plus repetition 1.1, frequency 0.2, presence 0.2, a logit bias, min_tokens 8
+  and 2 logprobs per token;
+
+and HF `generate` on the same prompts as one left-padded static batch, greedy and with
+do_sample (temperature 0.8, top-p 0.95). Each figure is the best of two runs.
+
+Last line:
+    RESULT top_p_x_greedy=.. top_p_x_hf_sampled=.. candidates_x_full_sort=.. penalties_x_top_p=..
+(x: ratios of tokens per second, > 1 when the first is faster)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "torch" not in sys.modules:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse
+import time
+
+import torch
+
+from bench.workload import MODEL
+
+TOPICS = [
+    "Write a short story about a robot learning to paint.",
+    "Explain how a hash map works.",
+    "List five fruits and their colors.",
+    "What is the capital of France? Answer briefly.",
+    "Describe the water cycle.",
+    "Give me a recipe for pancakes.",
+    "Why is the sky blue?",
+    "Write a haiku about autumn.",
+]
+
+
+def engine_modes(tokens: int) -> dict:
+    from engine import SamplingParams
+
+    def top_p(i: int, **extra) -> SamplingParams:
+        return SamplingParams(
+            temperature=0.8, top_p=0.95, seed=i, max_tokens=tokens, ignore_eos=True, **extra
+        )
+
+    penalties = dict(
+        repetition_penalty=1.1,
+        frequency_penalty=0.2,
+        presence_penalty=0.2,
+        logit_bias={28: 1.0},
+        min_tokens=8,
+        logprobs=2,
+    )
+    return {
+        "greedy": lambda i: SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True),
+        "top_p": top_p,
+        "top_p_full_sort": top_p,
+        "penalties": lambda i: top_p(i, **penalties),
+    }
+
+
+def run_engine(llm, prompts: list[list[int]], params) -> tuple[float, list[list[int]]]:
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - t0, [o.outputs[0].token_ids for o in outs]
+
+
+@torch.inference_mode()
+def run_hf(model, prompts: list[list[int]], tokens: int, sampled: bool) -> float:
+    pad = int(model.config.eos_token_id or 0)
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):  # left padding
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
+    kwargs = dict(do_sample=True, temperature=0.8, top_p=0.95, top_k=0) if sampled else {}
+    t0 = time.perf_counter()
+    model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=tokens,
+        min_new_tokens=tokens,
+        pad_token_id=pad,
+        do_sample=kwargs.pop("do_sample", False),
+        **kwargs,
+    )
+    return time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=48)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    from transformers import AutoModelForCausalLM
+
+    from engine import LLM, sampler
+    from engine.models.registry import resolve_model
+
+    llm = LLM(MODEL, num_threads=1, max_num_seqs=args.requests)
+    prompts = [
+        llm.apply_chat_template([{"role": "user", "content": TOPICS[i % len(TOPICS)]}])
+        for i in range(args.requests)
+    ]
+    modes = engine_modes(args.tokens)
+    run_engine(llm, prompts[:2], [modes["top_p"](i) for i in range(2)])  # warm-up
+    seconds, ids = {}, {}
+    candidates = sampler.TOP_P_CANDIDATES
+    for _ in range(2):
+        for name, make in modes.items():
+            sampler.TOP_P_CANDIDATES = 1 << 30 if name == "top_p_full_sort" else candidates
+            dt, ids[name] = run_engine(llm, prompts, [make(i) for i in range(args.requests)])
+            seconds[name] = min(dt, seconds.get(name, float("inf")))
+    sampler.TOP_P_CANDIDATES = candidates
+    del llm
+    hf = AutoModelForCausalLM.from_pretrained(str(resolve_model(MODEL)), dtype=torch.float32)
+    hf.eval()
+    run_hf(hf, prompts[:2], 4, True)  # warm-up
+    for name, sampled in (("hf_greedy", False), ("hf_top_p", True)):
+        seconds[name] = min(run_hf(hf, prompts, args.tokens, sampled) for _ in range(2))
+    total = args.requests * args.tokens
+    for name, s in seconds.items():
+        print(f"{name:16s} {s:7.2f} s  {total / s:7.1f} tok/s")
+    same = sum(a == b for a, b in zip(ids["top_p"], ids["top_p_full_sort"], strict=True))
+    print(f"top_p tokens equal with and without the shortcut: {same}/{args.requests}")
+    print(
+        f"RESULT top_p_x_greedy={seconds['greedy'] / seconds['top_p']:.2f} "
+        f"top_p_x_hf_sampled={seconds['hf_top_p'] / seconds['top_p']:.2f} "
+        f"candidates_x_full_sort={seconds['top_p_full_sort'] / seconds['top_p']:.2f} "
+        f"penalties_x_top_p={seconds['top_p'] / seconds['penalties']:.2f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
