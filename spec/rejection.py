@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.device import host_tensor, to_device
-from engine.sampler import exponential_race
+from engine.sampler import exponential_noise, exponential_race
 from kernels import reference
 
 
@@ -131,10 +131,10 @@ def _verify_sampled(
         residual = (p - row.draft_probs[j]).clamp_(min=0.0)
         if not float(residual.sum()) > 0.0:  # p == q up to rounding: fall back to p itself
             residual = p
-        noise = torch.empty(vocab).exponential_(generator=gen)
+        noise = exponential_noise(vocab, generator=gen)
         tokens.append(_race(residual, noise))
         return VerifyResult(tokens, j)
-    noise = torch.empty(vocab).exponential_(generator=gen)
+    noise = exponential_noise(vocab, generator=gen)
     tokens.append(_race(probs[row.start + d], noise))
     return VerifyResult(tokens, d)
 
@@ -147,10 +147,10 @@ def _verify_one_hot(
     not depend on k); a row on the shared generator draws all d + 1 at once, as the batched
     verifier does (it cannot wait to see where the walk stops)."""
     d = len(row.drafts)
-    ahead = torch.empty(d + 1, vocab).exponential_(generator=gen) if row.generator is None else None
+    ahead = exponential_noise(d + 1, vocab, generator=gen) if row.generator is None else None
     tokens = []
     for j in range(d + 1):
-        noise = torch.empty(vocab).exponential_(generator=gen) if ahead is None else ahead[j]
+        noise = exponential_noise(vocab, generator=gen) if ahead is None else ahead[j]
         tokens.append(_race(probs[row.start + j], noise))
         if j == len(row.drafts) or tokens[-1] != row.drafts[j]:
             break
@@ -188,11 +188,11 @@ def draw(
     plain = [r for r in rows if not r.greedy and not r.drafts]
     unseeded = [r.start for r in plain if r.generator is None]
     if unseeded:
-        batch = torch.empty(len(unseeded), vocab, device=device).exponential_(generator=generator)
+        batch = exponential_noise(len(unseeded), vocab, generator=generator, device=device)
         noise[to_device(host_tensor(unseeded), device)] = batch
     for r in plain:
         if r.generator is not None:
-            noise[r.start].exponential_(generator=r.generator)
+            noise[r.start] = exponential_noise(vocab, generator=r.generator, device=device)
     rewinds = []
     for i, r in enumerate(rows):
         if r.greedy or not r.drafts:
@@ -200,17 +200,15 @@ def draw(
         gen, d, start = r.generator or generator, len(r.drafts), r.start
         if r.draft_probs is not None:
             uniforms[start : start + d] = torch.rand(d, generator=gen, device=device)
-            noise[start : start + d + 1] = torch.empty(vocab, device=device).exponential_(
-                generator=gen
-            )
+            noise[start : start + d + 1] = exponential_noise(vocab, generator=gen, device=device)
         elif r.generator is None:
-            noise[start : start + d + 1] = torch.empty(d + 1, vocab, device=device).exponential_(
-                generator=gen
+            noise[start : start + d + 1] = exponential_noise(
+                d + 1, vocab, generator=gen, device=device
             )
         else:
             states = []
             for j in range(d + 1):
-                noise[start + j] = torch.empty(vocab, device=device).exponential_(generator=gen)
+                noise[start + j] = exponential_noise(vocab, generator=gen, device=device)
                 states.append(gen.get_state())
             rewinds.append((i, gen, states))
     return Draws(uniforms, noise, rewinds)

@@ -251,7 +251,14 @@ def test_seeded_sampling_same_with_and_without_speculation(tiny_llama, draft_mod
         )
         outs = llm.generate(batch_prompts, ps, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want, k
-        assert llm.engine.spec_stats.num_accepted > 0
+        stats = llm.engine.spec_stats
+        # Drafts were verified; the self-draft's are mostly accepted, the random draft's
+        # mostly rejected (n-gram lookups are rare on sampled random-model text).
+        assert stats.num_drafts > 0
+        if method == "self":
+            assert stats.num_accepted > 0
+        elif method == "draft":
+            assert stats.num_accepted < stats.num_drafts
     reseeded = [dataclasses.replace(p, seed=p.seed + 1) for p in ps]
     again = plain.generate(batch_prompts, reseeded, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] != want  # the seeds matter

@@ -14,6 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from engine.sampler import exponential_noise
 from kernels import reference, triton_rejection
 from kernels.triton_rejection import rejection_verify  # TRITON_INTERPRET: conftest
 from spec import rejection
@@ -66,12 +67,12 @@ def spec_draws(rows: list[VerifyRow], results, generator: torch.Generator, vocab
     plain = [i for i, r in enumerate(rows) if not r.greedy and not r.drafts]
     unseeded = [i for i in plain if own[i] is None]
     if unseeded and not all(r.greedy for r in rows):  # exponential_race: batched, then seeded
-        batch = torch.empty(len(unseeded), vocab).exponential_(generator=engine)
+        batch = exponential_noise(len(unseeded), vocab, generator=engine)
         for i, vector in zip(unseeded, batch, strict=True):
             noise[rows[i].start] = vector
     for i in plain:
         if own[i] is not None:
-            noise[rows[i].start].exponential_(generator=own[i])
+            noise[rows[i].start] = exponential_noise(vocab, generator=own[i])
     for i, (row, result) in enumerate(zip(rows, results, strict=True)):
         if row.greedy or not row.drafts:
             continue
@@ -79,12 +80,12 @@ def spec_draws(rows: list[VerifyRow], results, generator: torch.Generator, vocab
         d, start = len(row.drafts), row.start
         if row.draft_probs is not None:  # d uniforms, then one vector for wherever it stops
             uniforms[start : start + d] = torch.rand(d, generator=gen)
-            noise[start : start + d + 1] = torch.empty(vocab).exponential_(generator=gen)
+            noise[start : start + d + 1] = exponential_noise(vocab, generator=gen)
         elif own[i] is None:  # the shared generator: d + 1 vectors at once
-            noise[start : start + d + 1] = torch.empty(d + 1, vocab).exponential_(generator=gen)
+            noise[start : start + d + 1] = exponential_noise(d + 1, vocab, generator=gen)
         else:  # its own: one vector per emitted token
             for j in range(result.num_accepted + 1):
-                noise[start + j].exponential_(generator=gen)
+                noise[start + j] = exponential_noise(vocab, generator=gen)
     return uniforms, noise
 
 
