@@ -242,6 +242,41 @@ def test_check_schema_walks_subschemas_not_data():
         check_schema({"$defs": {"x": {"type": "array", "items": [{"not": {}}]}}})
 
 
+IPV4 = [
+    "0.0.0.0",
+    "255.255.255.255",
+    "80.0.237.0",
+    "10.20.30.40",
+    "80.0.237.000",  # a sampled answer once: xgrammar's own ipv4 rule admits leading zeros
+    "01.2.3.4",
+    "1.2.3.04",
+    "256.1.1.1",
+    "1.2.3",
+]
+
+
+def test_ipv4_format_admits_what_jsonschema_accepts(synthetic):
+    """format: ipv4 is compiled from a strict pattern (FORMAT_PATTERNS): the grammar takes
+    exactly the addresses jsonschema's format checker takes."""
+    import json
+
+    import jsonschema
+
+    compiler, _, _ = synthetic
+    schema = {"type": "object", "properties": {"h": {"type": "string", "format": "ipv4"}}}
+    schema["required"] = ["h"]
+    compiled = compiler.compile(StructuredOutputs(json=schema))
+    checker = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.FormatChecker())
+    admitted, valid = [], []
+    for address in IPV4:
+        text = json.dumps({"h": address})
+        matcher = xgr.GrammarMatcher(compiled)
+        admitted.append(matcher.accept_string(text) and matcher.is_completed())
+        valid.append(checker.is_valid({"h": address}))
+    assert admitted == valid
+    assert valid.count(True) == 4  # the cases cover both answers
+
+
 # ---- mask soundness on a synthetic vocabulary -------------------------------------------
 SYNTHETIC_VOCAB = (
     [chr(c) for c in range(32, 127)]

@@ -156,6 +156,43 @@ def test_engine_greedy_equal_with_triton_backend(tiny_llama, spec):
     assert outs["triton"] == outs["torch"]
 
 
+def test_engine_sampled_equal_with_triton_backend(tiny_llama):
+    """Seeded sampled requests with a self-draft on the Triton backend: verification runs the
+    fused rejection kernel (interpreter on CPU) instead of its torch reference, on the same
+    draws, so the tokens equal the torch backend's; accepted and rejected drafts both occur."""
+    from engine import LLM, SamplingParams
+
+    prompts = [[5 + i for i in range(37)], [7, 8, 9, 7, 8, 9, 7, 8], [3], list(range(40, 60)) * 2]
+    params = [
+        SamplingParams(
+            temperature=0.9, top_k=[0, 20][i % 2], seed=i, max_tokens=10, ignore_eos=True
+        )
+        for i in range(len(prompts))
+    ]
+    outs, stats = {}, {}
+    for backend in ("torch", "triton"):
+        llm = LLM(
+            str(tiny_llama),
+            num_kv_blocks=64,
+            attention_backend=backend,
+            draft_model=str(tiny_llama),
+            draft_quantization=None,
+            num_speculative_tokens=3,
+            adaptive_speculation=False,
+        )
+        outs[backend] = [
+            o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
+        ]
+        stats[backend] = llm.engine.spec_stats
+        kernel = llm.engine.runner.verify_kernel.__module__
+        assert (
+            kernel == {"torch": "kernels.reference", "triton": "kernels.triton_rejection"}[backend]
+        )
+    assert outs["triton"] == outs["torch"]
+    s = stats["triton"]
+    assert 0 < s.num_accepted < s.num_drafts
+
+
 def test_backend_choice():
     from engine.attention import resolve_backend
 

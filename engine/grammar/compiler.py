@@ -51,6 +51,27 @@ _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "depe
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*(Check failed: \(.*?\) is false:\s*)?")
 
 
+# JSON-schema formats whose xgrammar 0.2.8 rule admits strings the format forbids, and a pattern
+# to compile instead. ipv4: its octet rule [0-1]?\d?\d admits leading zeros ("01", "000"), which
+# RFC 2673's dotted-quad (and jsonschema's checker) refuse: a sampled JSON answer had
+# "80.0.237.000".
+_OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+FORMAT_PATTERNS = {"ipv4": rf"{_OCTET}(\.{_OCTET}){{3}}"}
+
+
+def with_strict_formats(schema):
+    """The schema with every string format listed in FORMAT_PATTERNS replaced by its pattern
+    (a copy where anything changes; check_schema has refused pattern beside format)."""
+    if isinstance(schema, list):
+        return [with_strict_formats(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: with_strict_formats(v) for k, v in schema.items()}
+    if isinstance(out.get("format"), str) and out["format"] in FORMAT_PATTERNS:
+        out["pattern"] = FORMAT_PATTERNS[out.pop("format")]
+    return out
+
+
 def clean_error(e: Exception) -> str:
     """xgrammar's message without its timestamp and C++ source location."""
     return _XGRAMMAR_PREFIX.sub("", str(e).strip()).strip()
@@ -179,7 +200,7 @@ class GrammarCompiler:
         try:
             if kind in ("json", "json_object"):
                 compiled = self._compiler.compile_json_schema(
-                    json.dumps(so.schema), any_whitespace=so.any_whitespace
+                    json.dumps(with_strict_formats(so.schema)), any_whitespace=so.any_whitespace
                 )
             elif kind == "regex":
                 compiled = self._compiler.compile_regex(so.regex)
