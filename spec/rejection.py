@@ -256,16 +256,16 @@ def verify_batched(
         # Greedy rows keep their logits (their argmax, untouched by softmax rounding).
         greedy = to_device(torch.tensor(greedy_rows), device)
         probs = torch.where(greedy[:, None], processed, processed.softmax(dim=-1))
-    draft_ids, draft_probs = [], None
+    draft_list, draft_probs = [], None
     for r in rows:
-        draft_ids += [*r.drafts, 0]
+        draft_list += [*r.drafts, 0]
         if r.draft_probs is not None:
             if draft_probs is None:
                 draft_probs = torch.zeros_like(probs)
             draft_probs[r.start : r.start + len(r.drafts)] = to_device(r.draft_probs, device)
-    inputs = to_device(
+    draft_ids, cu_rows, is_greedy, has_q = to_device(
         (
-            host_tensor(draft_ids),
+            host_tensor(draft_list),
             host_tensor([*starts, rows[-1].end]),
             torch.tensor([r.greedy for r in rows]),
             torch.tensor([r.draft_probs is not None for r in rows]),
@@ -273,14 +273,14 @@ def verify_batched(
         device,
     )
     tokens, num_accepted = kernel(
-        probs.contiguous(),
-        inputs[0],
-        draft_probs,
-        inputs[1],
-        inputs[2],
-        inputs[3],
-        draws.uniforms,
-        draws.noise,
-        max(r.num_rows for r in rows),
+        probs=probs.contiguous(),
+        draft_ids=draft_ids,
+        draft_probs=draft_probs,
+        cu_rows=cu_rows,
+        is_greedy=is_greedy,
+        has_q=has_q,
+        uniforms=draws.uniforms,
+        noise=draws.noise,
+        max_rows=max(r.num_rows for r in rows),
     )
     return PendingVerify(tokens, num_accepted, draws.rewinds)
