@@ -25,16 +25,25 @@ NEG_INF = float("-inf")
 class RequestAt(TokenHistory):
     """A request as the logits pipeline sees it at draft position j: its tokens plus the first j
     drafts. Penalties and min_tokens bans for verifying draft j depend on the drafts before it,
-    exactly as they would had those tokens been sampled one by one."""
+    exactly as they would had those tokens been sampled one by one. The token list is built
+    only when asked for (penalties): a verify step makes one view per draft row."""
 
-    __slots__ = ("request", "token_ids", "params", "eos_token_ids", "num_prompt_tokens")
+    __slots__ = ("request", "drafts", "params", "eos_token_ids", "num_prompt_tokens")
 
     def __init__(self, request: Request, drafts: list[int]):
         self.request = request
-        self.token_ids = request.token_ids + drafts
+        self.drafts = drafts
         self.params = request.params
         self.eos_token_ids = request.eos_token_ids
         self.num_prompt_tokens = request.num_prompt_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.token_ids + self.drafts
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.request.num_output_tokens + len(self.drafts)
 
     @property
     def generator(self) -> torch.Generator | None:
