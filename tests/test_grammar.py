@@ -242,39 +242,58 @@ def test_check_schema_walks_subschemas_not_data():
         check_schema({"$defs": {"x": {"type": "array", "items": [{"not": {}}]}}})
 
 
-IPV4 = [
-    "0.0.0.0",
-    "255.255.255.255",
-    "80.0.237.0",
-    "10.20.30.40",
-    "80.0.237.000",  # a sampled answer once: xgrammar's own ipv4 rule admits leading zeros
-    "01.2.3.4",
-    "1.2.3.04",
-    "256.1.1.1",
-    "1.2.3",
-]
+FORMAT_CASES = {
+    "ipv4": [
+        "0.0.0.0",
+        "255.255.255.255",
+        "80.0.237.0",
+        "10.20.30.40",
+        "80.0.237.000",  # a sampled answer once: xgrammar's own rule admits leading zeros
+        "01.2.3.4",
+        "1.2.3.04",
+        "256.1.1.1",
+        "1.2.3",
+    ],
+    "date": [
+        "2023-02-17",
+        "2023-01-31",
+        "2024-02-29",  # leap years: divisible by 4, centuries by 400
+        "2000-02-29",
+        "0004-02-29",
+        "9999-12-31",
+        "0001-01-01",
+        "2023-02-30",  # xgrammar's own rule admits these
+        "2023-04-31",
+        "2023-02-29",
+        "1900-02-29",
+        "0000-01-01",
+        "2023-13-01",
+        "2023-00-10",
+        "2023-06-00",
+    ],
+}
 
 
-def test_ipv4_format_admits_what_jsonschema_accepts(synthetic):
-    """format: ipv4 is compiled from a strict pattern (FORMAT_PATTERNS): the grammar takes
-    exactly the addresses jsonschema's format checker takes."""
+@pytest.mark.parametrize("fmt", FORMAT_CASES)
+def test_formats_admit_what_jsonschema_accepts(synthetic, fmt):
+    """Formats xgrammar's own rules get wrong compile from strict patterns (FORMAT_PATTERNS):
+    the grammar takes exactly the strings jsonschema's format checker takes."""
     import json
 
     import jsonschema
 
     compiler, _, _ = synthetic
-    schema = {"type": "object", "properties": {"h": {"type": "string", "format": "ipv4"}}}
-    schema["required"] = ["h"]
+    schema = {"type": "object", "properties": {"v": {"type": "string", "format": fmt}}}
+    schema["required"] = ["v"]
     compiled = compiler.compile(StructuredOutputs(json=schema))
     checker = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.FormatChecker())
     admitted, valid = [], []
-    for address in IPV4:
-        text = json.dumps({"h": address})
+    for value in FORMAT_CASES[fmt]:
         matcher = xgr.GrammarMatcher(compiled)
-        admitted.append(matcher.accept_string(text) and matcher.is_completed())
-        valid.append(checker.is_valid({"h": address}))
-    assert admitted == valid
-    assert valid.count(True) == 4  # the cases cover both answers
+        admitted.append(matcher.accept_string(json.dumps({"v": value})) and matcher.is_completed())
+        valid.append(checker.is_valid({"v": value}))
+    assert admitted == valid, list(zip(FORMAT_CASES[fmt], admitted, valid, strict=True))
+    assert 0 < valid.count(True) < len(valid)  # the cases cover both answers
 
 
 # ---- mask soundness on a synthetic vocabulary -------------------------------------------

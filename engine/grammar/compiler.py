@@ -52,11 +52,19 @@ _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*(Check failed: \(.*?\) 
 
 
 # JSON-schema formats whose xgrammar 0.2.8 rule admits strings the format forbids, and a pattern
-# to compile instead. ipv4: its octet rule [0-1]?\d?\d admits leading zeros ("01", "000"), which
-# RFC 2673's dotted-quad (and jsonschema's checker) refuse: a sampled JSON answer had
-# "80.0.237.000".
+# to compile instead (measured against jsonschema's format checker):
+# - ipv4: the octet rule [0-1]?\d?\d admits leading zeros ("01", "000"), which RFC 2673's
+#   dotted-quad refuses; a sampled JSON answer had "80.0.237.000";
+# - date: any month admits days 01-31 ("2023-02-30", "2023-04-31", "2023-02-29") and year 0000;
+#   here the days each month has, February 29 in leap years only, years 0001-9999.
 _OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
-FORMAT_PATTERNS = {"ipv4": rf"{_OCTET}(\.{_OCTET}){{3}}"}
+_YEAR = r"([1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
+_LEAP_YEAR = r"([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)"
+_DATE = (
+    rf"({_YEAR}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)"
+    rf"|02-(0[1-9]|1[0-9]|2[0-8]))|{_LEAP_YEAR}-02-29)"
+)
+FORMAT_PATTERNS = {"ipv4": rf"{_OCTET}(\.{_OCTET}){{3}}", "date": _DATE}
 
 
 def with_strict_formats(schema):
