@@ -279,15 +279,15 @@ def exponential_noise(
     return torch.rand(*shape, generator=generator, device=device).log_().neg_()
 
 
-def exponential_race(
-    probs: torch.Tensor,  # [M, V]
+def race_noise(
     generators: list[torch.Generator | None],  # [M] a row's own (seeded) generator, or None
+    vocab: int,
     generator: torch.Generator | None,  # shared by the rows without their own
-) -> torch.Tensor:  # [M] int64
-    """One categorical draw per row: argmax p / E with E ~ Exp(1). Rows without a generator
-    share one batched draw; a seeded row draws V exponentials from its own generator."""
-    vocab, device = probs.shape[1], probs.device
-    noise = torch.empty_like(probs)
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:  # [M, V] Exp(1)
+    """The exponential race's noise for M rows: the rows without a generator in one batched
+    draw, then each seeded row V exponentials from its own generator, in row order."""
+    noise = torch.empty(len(generators), vocab, device=device)
     unseeded = [i for i, g in enumerate(generators) if g is None]
     if unseeded:
         rows = len(unseeded)
@@ -295,6 +295,16 @@ def exponential_race(
     for i, g in enumerate(generators):
         if g is not None:
             noise[i] = exponential_noise(vocab, generator=g, device=device)
+    return noise
+
+
+def exponential_race(
+    probs: torch.Tensor,  # [M, V]
+    generators: list[torch.Generator | None],  # [M] a row's own (seeded) generator, or None
+    generator: torch.Generator | None,  # shared by the rows without their own
+) -> torch.Tensor:  # [M] int64
+    """One categorical draw per row: argmax p / E with E ~ Exp(1) (noise: race_noise)."""
+    noise = race_noise(generators, probs.shape[1], generator, probs.device)
     return (probs / noise).argmax(dim=-1)
 
 

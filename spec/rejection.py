@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.device import host_tensor, to_device
-from engine.sampler import exponential_noise, exponential_race
+from engine.sampler import exponential_noise, exponential_race, race_noise
 from kernels import reference
 
 
@@ -186,13 +186,9 @@ def draw(
     if greedy:
         noise[to_device(host_tensor(greedy), device)] = 1.0
     plain = [r for r in rows if not r.greedy and not r.drafts]
-    unseeded = [r.start for r in plain if r.generator is None]
-    if unseeded:
-        batch = exponential_noise(len(unseeded), vocab, generator=generator, device=device)
-        noise[to_device(host_tensor(unseeded), device)] = batch
-    for r in plain:
-        if r.generator is not None:
-            noise[r.start] = exponential_noise(vocab, generator=r.generator, device=device)
+    if plain:
+        starts = to_device(host_tensor([r.start for r in plain]), device)
+        noise[starts] = race_noise([r.generator for r in plain], vocab, generator, device)
     rewinds = []
     for i, r in enumerate(rows):
         if r.greedy or not r.drafts:
