@@ -23,11 +23,12 @@ synchronize for whole runs; model loading and warm-up are excluded.
   engine's path, spec.rejection.verify_batched with kernels.triton_rejection (softmax, the
   draws and both kernels on the device, 64 x 5 tokens back).
 - decode: the engine at batch 1 (prompt 512, 128 new tokens): decode tokens/s against the
-  roofline (weights + the KV read per step, over the copy bandwidth), with CUDA graphs (the
-  default) and with enforce_eager=True.
+  roofline (weights + the KV read per step, over the copy bandwidth), with CUDA graphs and
+  async scheduling (the defaults), with graphs and synchronous steps, and enforce_eager=True.
 - sweep: the engine at batch 1..128 (prompt 128, 128 new tokens, EOS ignored, greedy) against
   HF `generate` one request at a time (sequential) and in static batches of the same size; then
-  the largest batch sampled (temperature 0.8, top-p 0.95) against its greedy run.
+  the largest batch sampled (temperature 0.8, top-p 0.95), and greedy with async scheduling
+  off, against its greedy run.
 
 Last line: RESULT decode_attention_bw_ratio=.. verify_attention_bw_ratio=..
 decode_roofline_fraction_1b=..
@@ -307,10 +308,17 @@ def bench_verify(vocab: int) -> dict:
 
 
 def engine_run(
-    model_dir: Path, prompts, max_tokens: int, max_num_seqs: int, eager=False, sampled=False
+    model_dir: Path,
+    prompts,
+    max_tokens: int,
+    max_num_seqs: int,
+    eager=False,
+    sampled=False,
+    overlap=None,
 ):
     """(seconds, output tokens, decode-only seconds, decode steps) for one engine run;
-    eager: no CUDA graphs; sampled: temperature 0.8, top-p 0.95 instead of greedy."""
+    eager: no CUDA graphs; sampled: temperature 0.8, top-p 0.95 instead of greedy; overlap:
+    async scheduling (None: the engine's default, on with CUDA)."""
     from engine import LLM, SamplingParams
 
     llm = LLM(
@@ -319,6 +327,7 @@ def engine_run(
         max_num_batched_tokens=max(2048, max_num_seqs),
         enable_prefix_caching=False,
         enforce_eager=eager,
+        async_scheduling=overlap,
     )
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     if sampled:
@@ -349,7 +358,8 @@ def engine_run(
 
 
 def bench_decode(model_dir: Path, name: str, copy_bw: float) -> dict:
-    """Batch-1 decode tokens/s with CUDA graphs and eagerly, against the roofline."""
+    """Batch-1 decode tokens/s with CUDA graphs (async scheduling on, then off) and eagerly,
+    against the roofline."""
     prompt_len, new = SIZES["decode"]
     prompt = [[(7 * i) % 400 + 10 for i in range(prompt_len)]]
     shapes = MODELS[name]
@@ -360,8 +370,12 @@ def bench_decode(model_dir: Path, name: str, copy_bw: float) -> dict:
     mean_ctx = prompt_len + new / 2
     roofline = copy_bw / (weights + kv_per_token * mean_ctx)  # tokens/s
     out = {"roofline_tok_s": roofline}
-    for mode, eager in (("graphs", False), ("eager", True)):
-        _, _, decode_s, steps = engine_run(model_dir, prompt, new, 1, eager=eager)
+    for mode, eager, overlap in (
+        ("graphs", False, None),
+        ("graphs, sync steps", False, False),
+        ("eager", True, None),
+    ):
+        _, _, decode_s, steps = engine_run(model_dir, prompt, new, 1, eager=eager, overlap=overlap)
         tok_s = steps / decode_s if steps else float("nan")
         out[mode] = {"tok_s": tok_s, "fraction": tok_s / roofline}
         print(
@@ -431,7 +445,15 @@ def bench_sweep(model_dir: Path, name: str, quick: bool) -> dict:
         f"sweep {name} batch {b} sampled (temperature 0.8, top-p 0.95): "
         f"{sampled['tandem_tok_s']:.0f} tok/s, {sampled['x_greedy']:.2f}x greedy"
     )
-    return {"hf_seq_tok_s": hf_seq, "batches": rows, "sampled": sampled}
+    # Async scheduling off at the largest batch: what overlapping the host with the device buys.
+    seconds, tokens, _, _ = engine_run(model_dir, prompts[:b], new, b, overlap=False)
+    sync_steps = {"batch": b, "tandem_tok_s": tokens / seconds}
+    sync_steps["async_x_sync"] = rows[b]["tandem_tok_s"] / sync_steps["tandem_tok_s"]
+    print(
+        f"sweep {name} batch {b} with synchronous steps: {sync_steps['tandem_tok_s']:.0f} "
+        f"tok/s (async scheduling {sync_steps['async_x_sync']:.2f}x)"
+    )
+    return {"hf_seq_tok_s": hf_seq, "batches": rows, "sampled": sampled, "sync": sync_steps}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,6 +42,12 @@ class EngineConfig:
     # 1, 2, 4, 8, 16, ... max_num_seqs; 1 + num_speculative_tokens query tokens per request);
     # True runs every step eagerly, as on CPU.
     enforce_eager: bool = False
+    # Async scheduling: schedule and launch the next step while the device runs this one, the
+    # host appending this step's tokens meanwhile (outputs come one step later; a request that
+    # stops runs one step more, discarded). Only between steps whose next inputs need nothing
+    # from the host: no speculation, grammar, penalties, min_tokens bans or n > 1 forks.
+    # None: on with CUDA (where the device runs ahead of the host), off on CPU.
+    async_scheduling: bool | None = None
     seed: int = 0  # engine generator for unseeded random sampling
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     # Speculative decoding: "ngram" (prompt lookup) or "draft" (a draft model; setting

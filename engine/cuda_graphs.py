@@ -26,10 +26,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.attention import AttentionMetadata, VarlenBatch, slot_ids
-from engine.device import host_tensor, padded_rows
+from engine.device import host_tensor, padded_rows, staged, to_device
+from engine.inputs import fill_pending, pending_inputs
 
 if TYPE_CHECKING:
-    from engine.model_runner import ForwardItem
+    from engine.inputs import ForwardItem, SampledTokens
     from engine.models.llama import LlamaForCausalLM
     from engine.request import Request
 
@@ -84,11 +85,15 @@ class GraphRunner:
         )
 
     def forward(
-        self, items: list[ForwardItem], tables: dict[Request, list[int]]
+        self,
+        items: list[ForwardItem],
+        tables: dict[Request, list[int]],
+        sampled: SampledTokens | None = None,  # the previous step's tokens (async scheduling)
     ) -> torch.Tensor:  # [sum(len(item.token_ids)), hidden]
         q = max(len(it.token_ids) for it in items)
         num_reqs = next(b for b in self.sizes if b >= len(items))
         rows = self._fill(items, tables, q, num_reqs)
+        fill_pending(self.input_ids, pending_inputs(items, q), sampled)
         graph = self.graphs.get((num_reqs, q))
         if graph is not None:
             graph[0].replay()
@@ -98,7 +103,7 @@ class GraphRunner:
         self.num_replays += 1
         if rows is None:  # the real rows are a prefix
             return out[: sum(len(it.token_ids) for it in items)].clone()
-        return out.index_select(0, rows.to(out.device, non_blocking=True))
+        return out.index_select(0, to_device(rows, out.device))
 
     def _fill(self, items, tables, q: int, num_reqs: int) -> torch.Tensor | None:
         """Copies the padded step into the static buffers; returns the real rows' indices
@@ -121,12 +126,13 @@ class GraphRunner:
             seq_lens[b] = item.start + q
             width = max(width, -(-seq_lens[b] // bs))
         block_tables = padded_rows([tables[it.request] for it in items], width, num_reqs)
-        copy = dict(non_blocking=True)
-        self.input_ids[:num_tokens].copy_(host_tensor(ids), **copy)
-        self.positions[:num_tokens].copy_(host_tensor(positions), **copy)
-        self.slot_mapping[:num_tokens].copy_(host_tensor(slots), **copy)
-        self.seq_lens[:num_reqs].copy_(host_tensor(seq_lens, torch.int32), **copy)
-        self.block_tables[:num_reqs, :width].copy_(block_tables, **copy)
+        device, copy = self.input_ids.device, dict(non_blocking=True)
+        self.input_ids[:num_tokens].copy_(staged(host_tensor(ids), device), **copy)
+        self.positions[:num_tokens].copy_(staged(host_tensor(positions), device), **copy)
+        self.slot_mapping[:num_tokens].copy_(staged(host_tensor(slots), device), **copy)
+        seq_lens = host_tensor(seq_lens, torch.int32)
+        self.seq_lens[:num_reqs].copy_(staged(seq_lens, device), **copy)
+        self.block_tables[:num_reqs, :width].copy_(staged(block_tables, device), **copy)
         if len(rows) == len(items) * q:
             return None
         return host_tensor(rows)

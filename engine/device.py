@@ -39,9 +39,19 @@ def to_device(obj, device: torch.device):
     return _moved(obj, device)
 
 
+def staged(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """t ready for a copy to device that does not block the host: a CPU tensor bound for CUDA
+    goes to page-locked memory (torch's caching host allocator: cheap after warm-up), since a
+    copy from pageable memory may wait for the stream's earlier work, stalling the host
+    behind a step in flight instead of letting it prepare the next."""
+    if t.device.type == "cpu" and device.type == "cuda":
+        return t.pin_memory()
+    return t
+
+
 def _moved(obj, device: torch.device):
     if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
+        return staged(obj, device).to(device, non_blocking=True)
     if isinstance(obj, list | tuple):
         return type(obj)(_moved(v, device) for v in obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
@@ -50,11 +60,26 @@ def _moved(obj, device: torch.device):
     return obj
 
 
+class HostCopy:
+    """CPU copies of device tensors (None stays None), queued now behind the work that computes
+    them; wait() blocks until they have landed. Work queued after the copies (the next step)
+    does not delay them."""
+
+    def __init__(self, tensors: list[torch.Tensor | None]):
+        self.tensors = [None if t is None else t.to("cpu", non_blocking=True) for t in tensors]
+        self.events = []
+        for device in {t.device for t in tensors if t is not None and t.device.type == "cuda"}:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            self.events.append(event)
+
+    def wait(self) -> list[torch.Tensor | None]:
+        for event in self.events:
+            event.synchronize()
+        self.events = []
+        return self.tensors
+
+
 def to_host(tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-    """CPU copies of these tensors (None stays None), waiting for their device once: the
-    copies are queued without blocking, then the stream is synchronized."""
-    out = [None if t is None else t.to("cpu", non_blocking=True) for t in tensors]
-    devices = {t.device for t in tensors if t is not None and t.device.type == "cuda"}
-    for device in devices:
-        torch.cuda.current_stream(device).synchronize()
-    return out
+    """CPU copies of these tensors (None stays None), waiting for their device once."""
+    return HostCopy(tensors).wait()

@@ -94,6 +94,7 @@ def snapshot(engine) -> dict:
         "kv_slots_allocated": allocated,
         "kv_utilization": stored / allocated if allocated else 1.0,
         "num_steps": engine.num_steps,
+        "num_overlapped_steps": engine.num_overlapped_steps,
         "num_request_errors": engine.num_request_errors,
         "num_generated_tokens": engine.num_generated_tokens,
         "grammar": grammar_state(engine.grammar),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 from transformers import AutoTokenizer
@@ -15,7 +16,7 @@ from engine.detokenizer import IncrementalDetokenizer, exact_decoder
 from engine.grammar.constraint import StructuredOutputs
 from engine.introspection import snapshot
 from engine.kv_cache_manager import KVCacheManager
-from engine.model_runner import ModelRunner, StepResult, kv_bytes_per_block
+from engine.model_runner import LaunchedStep, ModelRunner, StepResult, kv_bytes_per_block
 from engine.models.loader import load_model, read_generation_eos
 from engine.models.registry import resolve_model
 from engine.outputs import (
@@ -60,6 +61,18 @@ class RequestGroup:
     def failed(self) -> Request | None:
         """The request whose own processing failed (Request.fail), if one did."""
         return next((r for r in self.requests if r.error), None)
+
+
+@dataclass
+class InFlight:
+    """A launched step: what was scheduled, the runner's handle, when drafting and the
+    target's launch began, and whether the next step may be scheduled before it lands."""
+
+    sched: SchedulerOutput
+    launched: LaunchedStep
+    t0: float
+    t1: float
+    overlappable: bool
 
 
 class LLMEngine:
@@ -134,6 +147,11 @@ class LLMEngine:
             max_query_len = 1 + (config.num_speculative_tokens if self.proposer else 0)
             for runner in filter(None, (self.runner, self.draft_runner)):
                 runner.use_graphs(config.max_num_seqs, self.max_model_len, max_query_len)
+        self.async_scheduling = (
+            device.type == "cuda" if config.async_scheduling is None else config.async_scheduling
+        )
+        self.runner.keep_sampled = self.async_scheduling
+        self._in_flight: InFlight | None = None  # a launched step not yet collected
         self.forced_tokens: ForcedTokens | None = None  # e.g. a grammar's forced tokens
         self.adaptive: AdaptiveSpeculation | None = None
         if self.proposer is not None and config.adaptive_speculation:
@@ -145,6 +163,7 @@ class LLMEngine:
         self.spec_time = {"draft": 0.0, "verify": 0.0}
         self.groups: dict[str, RequestGroup] = {}
         self.num_steps = 0
+        self.num_overlapped_steps = 0  # launched while the previous step was still in flight
         self.num_generated_tokens = 0
         self.num_request_errors = 0  # groups ended by a failure of their own (Request.fail)
 
@@ -330,35 +349,101 @@ class LLMEngine:
 
     # ---- one step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, propose drafts, run the target over tokens + drafts, verify, append."""
+        """Schedule, propose drafts, run the target over tokens + drafts, verify, append.
+
+        Under async scheduling a step is launched before the previous one is collected: its
+        tokens are appended (and its outputs returned) while the new step runs on the device.
+        A step whose successor needs its tokens on the host is collected before scheduling."""
+        touched: list[RequestGroup] = []
+        if self._in_flight is not None and not self._in_flight.overlappable:
+            touched += self._collect(self._take_in_flight())
         self._plan_speculation()
         sched = self.scheduler.schedule()
-        if not sched.requests:
-            return []
+        if sched.requests:
+            launched = self._launch(sched)
+            previous, self._in_flight = self._in_flight, launched
+            if previous is not None:
+                self.num_overlapped_steps += 1
+                touched += self._collect(previous)
+            if not launched.overlappable:
+                touched += self._collect(self._take_in_flight())
+            self.num_steps += 1
+        elif self._in_flight is not None:  # nothing more to launch: the last step lands
+            touched += self._collect(self._take_in_flight())
+        groups = list({id(g): g for g in touched}.values())
+        return [out for g in groups if (out := self._make_output(g)) is not None]
+
+    def _take_in_flight(self) -> InFlight:
+        step, self._in_flight = self._in_flight, None
+        return step
+
+    def _launch(self, sched: SchedulerOutput) -> InFlight:
+        """Propose drafts and queue the target's step; the scheduled tokens count as computed
+        from here (drafts once verified)."""
         tables = self.kv.block_tables
         t0 = time.perf_counter()
         try:
             if self.proposer is not None or self.forced_tokens is not None:
                 self._propose(sched, tables)
             t1 = time.perf_counter()
-            result = self.runner.execute(sched, tables)
+            launched = self.runner.launch(sched, tables)
         except BaseException:
             self.kv.release_copy_sources()
             self.scheduler.unschedule(sched)
             raise
         self.kv.step_computed()
         self.kv.release_copy_sources()
+        for request, n, k in sched.scheduled():
+            request.num_computed_tokens += n - k
+        for request in launched.members:
+            request.num_pending += 1
+        return InFlight(sched, launched, t0, t1, self._overlappable(launched.members))
+
+    def _overlappable(self, members: list[Request]) -> bool:
+        """Whether the next step may be scheduled before these requests' tokens reach the host:
+        nothing that shapes their next step reads them (drafts, grammar masks, penalties,
+        min_tokens bans, forking n > 1 siblings)."""
+        if not self.async_scheduling or self.proposer is not None:
+            return False
+        return not any(
+            r.grammar is not None
+            or r.spec_token_ids
+            or r.siblings
+            or r.status == RequestStatus.FORK_PENDING
+            or r.params.has_penalties
+            or r.num_output_tokens < r.params.min_tokens
+            for r in members
+        )
+
+    def _collect(self, step: InFlight) -> list[RequestGroup]:
+        """Wait for a launched step's results and append them: verdicts, stop checks, outputs.
+        Requests that finished or were aborted since it was launched are skipped."""
+        try:
+            result = step.launched.wait()
+        except BaseException:
+            # Its tokens never come: its requests queue again, and so do those of a step
+            # launched after it (which read them on the device).
+            for lost in filter(None, (step, self._take_in_flight())):
+                for request in lost.launched.members:
+                    request.num_pending -= 1
+                self.scheduler.unschedule(lost.sched)
+            raise
         t2 = time.perf_counter()
+        sched, t0, t1 = step.sched, step.t0, step.t1
+        for request in step.launched.members:
+            request.num_pending -= 1
         self.spec_time["draft"] += t1 - t0
         self.spec_time["verify"] += t2 - t1
         self._observe_costs(sched.total_tokens, t2 - t1)
         num_drafts = sum(sched.num_drafts)
         for request, n, k in sched.scheduled():
+            if request.is_finished:
+                continue
             # This request's share of the step: draft time by its drafts, target time by rows.
             request.spec.draft_seconds += (t1 - t0) * k / num_drafts if num_drafts else 0.0
             request.spec.target_seconds += (t2 - t1) * n / sched.total_tokens
             num_accepted = result.num_accepted.get(request, 0)
-            request.num_computed_tokens += n - k + num_accepted
+            request.num_computed_tokens += num_accepted
             request.step_kinds = "p"
             if k:  # reclaim the slots of rejected drafts
                 self.kv.trim(request)
@@ -388,8 +473,7 @@ class LLMEngine:
         for group in self._end_failed([*sched.requests, *self.scheduler.running]):
             if group not in touched:
                 touched.append(group)
-        self.num_steps += 1
-        return [out for g in touched if (out := self._make_output(g)) is not None]
+        return touched
 
     def _end_failed(self, requests: list[Request]) -> list[RequestGroup]:
         """End the group of every request whose processing failed this step (Request.fail):
@@ -484,7 +568,7 @@ class LLMEngine:
         for request, prompt_lps in result.prompt_logprobs.items():
             request.prompt_logprobs.extend(map(self._decode_logprobs, prompt_lps))
         for request, _ in result.sampled:
-            if request.status == RequestStatus.FORK_PENDING:
+            if request.status == RequestStatus.FORK_PENDING and request.request_id in self.groups:
                 # Fork every sibling before any append can finish (and free) the leader.
                 leader = self.groups[request.request_id].requests[0]
                 self.kv.fork(leader, request)
@@ -494,8 +578,8 @@ class LLMEngine:
                 self.scheduler.add_running(request)
         for request, tokens in result.sampled:
             request.siblings = []
-            if request.error:  # failed this step (e.g. its mask): nothing of it is kept
-                continue
+            if request.error or request.is_finished:  # failed this step (e.g. its mask), or
+                continue  # ended while the step ran (async scheduling): nothing of it is kept
             group = self.groups[request.request_id]
             touched[group.request_id] = group
             logprobs = result.logprobs.get(request) or [None] * len(tokens)

@@ -17,13 +17,15 @@ differently).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from engine.attention import build_metadata, slot_ids
 from engine.cuda_graphs import GraphRunner
-from engine.device import host_tensor, to_device, to_host
+from engine.device import HostCopy, host_tensor, to_device, to_host
+from engine.inputs import ForwardItem, SampledTokens, fill_pending, pending_inputs
 from engine.models.llama import LlamaForCausalLM, ModelConfig
 from engine.request import Request
 from engine.sampler import (
@@ -88,13 +90,22 @@ class StepResult:
     prompt_logprobs: dict[Request, list[RawLogprobs]] = field(default_factory=dict)
 
 
-@dataclass(slots=True)
-class ForwardItem:
-    """Tokens of one request to run through the model at consecutive positions from `start`."""
+class LaunchedStep:
+    """A step whose work is queued on the device: `wait()` brings its results to the host.
+    `members`: the requests that sample in it; `sampled`: their tokens on the device (async
+    scheduling), read by the next step's inputs."""
 
-    request: Request
-    start: int
-    token_ids: list[int]
+    def __init__(self, result: StepResult, members: list[Request], collect, sampled):
+        self.result = result
+        self.members = members
+        self.sampled: SampledTokens | None = sampled
+        self._collect: Callable[[StepResult], None] | None = collect
+
+    def wait(self) -> StepResult:
+        if self._collect is not None:
+            self._collect(self.result)
+            self._collect = None
+        return self.result
 
 
 class ModelRunner:
@@ -138,6 +149,10 @@ class ModelRunner:
         self.lora_slots: LoRASlots | None = None  # adapter slots, when LoRA is enabled
         self.graphs: GraphRunner | None = None  # decode/verify steps from static buffers
         self.lora_of = lambda request: request.lora  # which of a request's adapters runs here
+        # Async scheduling: keep each step's sampled tokens on the device (`sampled`, the last
+        # launched step's) for the next step's inputs.
+        self.keep_sampled = False
+        self.sampled: SampledTokens | None = None
 
     def use_graphs(self, max_num_seqs: int, max_model_len: int, max_query_len: int) -> None:
         """Decode and verification steps (up to max_query_len tokens per request, no adapter)
@@ -169,7 +184,7 @@ class ModelRunner:
         """Run every item's tokens in one flat batch; returns hidden states [sum(len), hidden]."""
         lora = self._lora_batch(items)
         if lora is None and self.graphs is not None and self.graphs.fits(items):
-            return self.graphs.forward(items, tables)
+            return self.graphs.forward(items, tables, self.sampled)
         input_ids, positions, slots, seq_lens, query_lens, item_tables = [], [], [], [], [], []
         bs = self.block_size
         for item in items:
@@ -193,6 +208,7 @@ class ModelRunner:
         )
         ids, pos = host_tensor(input_ids), host_tensor(positions)
         ids, pos, meta, lora = to_device((ids, pos, meta, lora), self.device)
+        fill_pending(ids, pending_inputs(items), self.sampled)
         return self.model(ids, pos, self.kv_caches, meta, lora)
 
     def logits(self, hidden: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
@@ -218,28 +234,42 @@ class ModelRunner:
             token_slots += [slot_of[id(lora)] if lora else 0] * len(item.token_ids)
         return LoRABatch.build(self.lora_slots, token_slots, self.attention_backend)
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, tables: dict[Request, list[int]]) -> StepResult:
         """The target's step: scheduled tokens plus each request's drafts, then verification."""
+        return self.launch(sched, tables).wait()
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, tables: dict[Request, list[int]]) -> LaunchedStep:
+        """`execute` without waiting for the device: the step's work queued, its results
+        copied to the host when they are ready; LaunchedStep.wait() collects them."""
         self.copy_blocks(sched.block_copies)
         items, verify_rows, row = [], [], 0
         for request, n, k in sched.scheduled():
             start = request.num_computed_tokens
             base = n - k  # tokens of the request itself; the rest of the row count is drafts
             drafts = request.spec_token_ids
-            tokens = request.token_ids[start : start + base] + drafts
-            items.append(ForwardItem(request, start, tokens))
+            tokens = request.token_ids[start : start + base]
+            last_from = None
+            if len(tokens) < base:  # its last token was sampled by the step in flight
+                if len(tokens) != base - 1 or drafts or request not in self.sampled.row_of:
+                    raise RuntimeError(f"request {request.request_id}: tokens not on the host")
+                last_from = self.sampled.row_of[request]
+                tokens.append(0)
+            items.append(ForwardItem(request, start, tokens + drafts, last_from))
             row += base + len(drafts)
-            if start + base == request.num_tokens:
+            if start + base == request.num_tokens + request.num_pending:
                 verify_rows.append((request, row - 1 - len(drafts)))
         hidden = self.forward(items, tables)
         result = StepResult()
         self._prompt_logprobs(hidden, items, result)
-        self._sample(hidden, verify_rows, result)
-        return result
+        members, collect, sampled = self._sample(hidden, verify_rows)
+        self.sampled = sampled
+        return LaunchedStep(result, members, collect, sampled)
 
-    def _sample(self, hidden: torch.Tensor, verify_rows, result: StepResult) -> None:
-        """verify_rows: (request, row of its last real token); its drafts' rows follow."""
+    def _sample(self, hidden: torch.Tensor, verify_rows):
+        """verify_rows: (request, row of its last real token); its drafts' rows follow.
+        Returns the requests that sample, collect(result) that waits for their tokens and
+        records them, and their tokens on the device when kept (keep_sampled)."""
         rows, spans, members = [], [], []
         for request, row in verify_rows:
             drafts = request.spec_token_ids
@@ -262,7 +292,7 @@ class ModelRunner:
                     members.append(sibling)
                     rows.append(row)
         if not rows:
-            return
+            return [], None, None
         # Greedy requests that nothing reshapes need only their rows' argmax; the others' rows
         # go through grammar masks, the logits pipeline and verification.
         is_fast = [argmax_suffices(m) for m in members]
@@ -277,20 +307,43 @@ class ModelRunner:
             pending, finish = self._verify(
                 logits.float(), [spans[i] for i in slow], [members[i] for i in slow]
             )
-        argmax, *copies = to_host([argmax, *pending])  # the step's one wait for the device
-        verdicts: list[VerifyResult | None] = [None] * len(spans)
+        sampled = None
+        if self.keep_sampled and not any(span.drafts for span in spans):
+            sampled = self._sampled_tokens(members, spans, is_fast, argmax, pending)
+        copy = HostCopy([argmax, *pending])  # queued behind the step's work
+
+        def collect(result: StepResult) -> None:
+            argmax, *copies = copy.wait()  # the step's one wait for the device
+            verdicts: list[VerifyResult | None] = [None] * len(spans)
+            if slow:
+                for i, verdict in zip(slow, finish(copies, result), strict=True):
+                    verdicts[i] = verdict
+            if argmax is not None:
+                argmax = argmax.tolist()
+                for i, fast in enumerate(is_fast):
+                    if fast:
+                        verdicts[i] = verify_greedy(spans[i], argmax)
+            for span, member, verdict in zip(spans, members, verdicts, strict=True):
+                result.sampled.append((member, verdict.tokens))
+                if span.drafts:
+                    result.num_accepted[member] = verdict.num_accepted
+
+        return members, collect, sampled
+
+    def _sampled_tokens(self, members, spans, is_fast, argmax, pending) -> SampledTokens:
+        """Every member's one token on the device (no drafts): its row's argmax, or what
+        verification emitted for it."""
+        tokens = torch.empty(len(members), dtype=torch.long, device=self.device)  # [M]
+        fast = [i for i, f in enumerate(is_fast) if f]
+        slow = [i for i, f in enumerate(is_fast) if not f]
+        if fast:
+            at, rows = to_device(
+                (host_tensor(fast), host_tensor([spans[i].start for i in fast])), self.device
+            )
+            tokens[at] = argmax[rows]
         if slow:
-            for i, verdict in zip(slow, finish(copies, result), strict=True):
-                verdicts[i] = verdict
-        if argmax is not None:
-            argmax = argmax.tolist()
-            for i, fast in enumerate(is_fast):
-                if fast:
-                    verdicts[i] = verify_greedy(spans[i], argmax)
-        for span, member, verdict in zip(spans, members, verdicts, strict=True):
-            result.sampled.append((member, verdict.tokens))
-            if span.drafts:
-                result.num_accepted[member] = verdict.num_accepted
+            tokens[to_device(host_tensor(slow), self.device)] = pending[0][:, 0].long()
+        return SampledTokens(tokens, {m: i for i, m in enumerate(members)})
 
     def _verify(
         self,

@@ -95,6 +95,9 @@ class Request(TokenHistory):
         self.num_prompt_tokens = len(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)  # prompt + output
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        # Async scheduling: tokens sampled by a step in flight, not yet in token_ids. The
+        # scheduler counts them (the next step computes the first from the device's copy).
+        self.num_pending = 0
         self.status = RequestStatus.WAITING
         self.eos_token_ids = set() if params.ignore_eos else eos_token_ids
         budget = max_model_len - self.num_prompt_tokens
@@ -155,7 +158,7 @@ class Request(TokenHistory):
     @property
     def is_decoding(self) -> bool:
         """Every token but the last is computed: next step is a decode (or a verification)."""
-        return self.num_tokens - self.num_computed_tokens == 1
+        return self.num_tokens + self.num_pending - self.num_computed_tokens == 1
 
     @property
     def num_tokens(self) -> int:

@@ -6,6 +6,10 @@ shared token budget: a prompt becomes a prefill (chunked when the budget runs sh
 one token behind becomes a decode, and both mix in the same batch. Running requests go first,
 in arrival order; when blocks run out the latest-arrived running request is preempted (its
 blocks freed, recomputed later), and waiting requests are admitted strictly FCFS.
+
+Under async scheduling the next step is scheduled while the current one runs: a request's
+tokens sampled in flight (`num_pending`) count as tokens already, and a request whose last
+allowed token is in flight is not scheduled again.
 """
 
 from __future__ import annotations
@@ -63,7 +67,11 @@ class Scheduler:
             if not self._lora_fits(request, loras):
                 i += 1  # its adapter has no slot this step: it runs when an older one is done
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.num_output_tokens + request.num_pending >= request.max_output_tokens:
+                i += 1  # its last token is in flight: it finishes when that comes back
+                continue
+            num_to_compute = request.num_tokens + request.num_pending - request.num_computed_tokens
+            num_new = min(num_to_compute, budget)
             num_drafts = self._draft_slots(request, num_new, budget)
             if not self._allocate_or_preempt(request, num_new, num_drafts, out):
                 break  # the request preempted itself: nothing after it can run either

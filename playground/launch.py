@@ -48,6 +48,12 @@ def add_server_args(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda:N")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule the next step while the device runs this one (default: on with CUDA)",
+    )
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
 
 
@@ -84,6 +90,7 @@ def build_state(args: argparse.Namespace, adapters: dict[str, LoRARequest]) -> S
         enable_prefix_caching=not args.no_prefix_caching,
         device=args.device,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
     )
     engine = LLMEngine(config)
     for adapter in adapters.values():  # load now: a bad adapter fails at start, not per request

@@ -20,7 +20,8 @@ import time
 import torch
 
 from engine.device import host_tensor, to_device, to_host
-from engine.model_runner import ForwardItem, ModelRunner, mask_logits
+from engine.inputs import ForwardItem
+from engine.model_runner import ModelRunner, mask_logits
 from engine.request import Request
 from engine.sampler import RequestAt, SamplingBatch, keeps_argmax, process_logits
 from engine.scheduler import SchedulerOutput

@@ -160,15 +160,15 @@ def test_a_failed_step_leaves_no_uncomputed_block_in_the_cache(model_dir, monkey
     everything and the outputs are as if it never happened."""
     prompts = shared_prefix_prompts()
     llm = LLM(model_dir, num_kv_blocks=48, block_size=BS)
-    runner, real = llm.engine.runner, llm.engine.runner.execute
+    runner, real = llm.engine.runner, llm.engine.runner.launch
     failures = iter([RuntimeError("injected")])
 
-    def execute_once_failing(*args):
+    def launch_once_failing(*args):
         for exc in failures:
             raise exc
         return real(*args)
 
-    monkeypatch.setattr(runner, "execute", execute_once_failing)
+    monkeypatch.setattr(runner, "launch", launch_once_failing)
     for i, prompt in enumerate(prompts):
         llm.engine.add_request(f"retry-{i}", prompt, GREEDY)
     with pytest.raises(RuntimeError, match="injected"):

@@ -255,7 +255,7 @@ def test_engine_recovers_after_a_failed_step(llm, monkeypatch):
     def failing_sample(*args, **kwargs):
         raise RuntimeError("injected sampler failure")
 
-    monkeypatch.setattr(model_runner, "to_host", failing_sample)
+    monkeypatch.setattr(model_runner, "HostCopy", failing_sample)
     with pytest.raises(RuntimeError, match="injected"):
         llm.generate([[1, 2, 3], [4, 5, 6]], GREEDY, use_tqdm=False)
     monkeypatch.undo()

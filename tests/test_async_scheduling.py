@@ -1,0 +1,212 @@
+"""Async scheduling: the next step is scheduled and launched before the previous one's tokens
+reach the host (its inputs read them on the device), and the host appends them while it runs.
+Every request emits what it emits with synchronous steps: greedy and seeded tokens, stops,
+finish reasons and logprobs; requests whose next step needs their tokens on the host (n > 1,
+penalties, min_tokens, grammar) drain the pipeline first; preemption, aborts and a failed step
+leave every block free."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+
+STOPS = list(range(100, 150))
+
+
+def workload() -> tuple[list[list[int]], list[SamplingParams]]:
+    g = torch.Generator().manual_seed(11)
+    prompts, params = [], []
+    for i in range(12):
+        n = int(torch.randint(1, 30, (1,), generator=g))
+        prompts.append(torch.randint(3, 250, (n,), generator=g).tolist())
+        max_tokens = 3 + i % 7  # finishing at different steps
+        if i % 3 == 0:
+            p = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+        elif i % 3 == 1:  # may stop on EOS or a stop token id mid-way
+            p = SamplingParams(
+                temperature=0.9, top_p=0.9, seed=i, max_tokens=max_tokens, stop_token_ids=STOPS
+            )
+        else:
+            p = SamplingParams(temperature=0.7, top_k=20, seed=i, max_tokens=12, logit_bias={5: 2})
+        params.append(p)
+    return prompts, params
+
+
+def run(model_dir, prompts, params, **engine_args):
+    llm = LLM(str(model_dir), num_kv_blocks=64, **engine_args)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    snap = llm.engine.snapshot()
+    assert snap["num_free_blocks"] == snap["num_blocks"] and snap["num_running"] == 0
+    assert all(r.num_pending == 0 for g in llm.engine.groups.values() for r in g.requests)
+    return outs, snap
+
+
+def summary(outs):
+    return [[(c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outs]
+
+
+def assert_same_logprobs(got, want):
+    for a, b in zip(got, want, strict=True):
+        for ca, cb in zip(a.outputs, b.outputs, strict=True):
+            if cb.logprobs is None:
+                assert ca.logprobs is None
+                continue
+            for ea, eb in zip(ca.logprobs, cb.logprobs, strict=True):
+                assert ea.keys() == eb.keys()
+                for t in eb:
+                    assert ea[t].rank == eb[t].rank
+                    assert ea[t].logprob == pytest.approx(eb[t].logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize("chunk", [7, 64])
+def test_async_steps_emit_what_sync_steps_emit(tiny_llama, chunk):
+    prompts, params = workload()
+    want, sync_snap = run(tiny_llama, prompts, params, max_num_batched_tokens=chunk)
+    got, snap = run(
+        tiny_llama, prompts, params, max_num_batched_tokens=chunk, async_scheduling=True
+    )
+    assert summary(got) == summary(want)
+    assert_same_logprobs(got, want)
+    assert sync_snap["num_overlapped_steps"] == 0
+    assert snap["num_overlapped_steps"] > 0.5 * snap["num_steps"]
+    assert any(c.finish_reason == "stop" for o in want for c in o.outputs)  # not only lengths
+
+
+def test_without_the_device_tokens_async_steps_differ(tiny_llama, monkeypatch):
+    """The equality above has teeth: if the step in flight's tokens do not reach the next
+    step's inputs (the inputs keep the placeholder), the outputs change."""
+    from engine import model_runner
+
+    prompts, params = workload()
+    want, _ = run(tiny_llama, prompts, params)
+    monkeypatch.setattr(model_runner, "fill_pending", lambda *args: None)
+    got, _ = run(tiny_llama, prompts, params, async_scheduling=True)
+    assert summary(got) != summary(want)
+
+
+def test_requests_that_need_host_tokens_drain_the_pipeline(tiny_llama):
+    """n > 1 forks, penalties and min_tokens read a step's tokens on the host before the next
+    step: those steps are collected first, and the outputs equal synchronous steps'."""
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [20, 21]]
+    params = [
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+        SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=6),
+        SamplingParams(temperature=0.8, seed=4, max_tokens=8, frequency_penalty=0.5),
+        SamplingParams(temperature=0.8, seed=5, max_tokens=8, min_tokens=5),
+    ]
+    want, _ = run(tiny_llama, prompts, params)
+    got, snap = run(tiny_llama, prompts, params, async_scheduling=True)
+    assert summary(got) == summary(want)
+    # The penalised request runs to the end, so no step after its prefill overlaps.
+    assert snap["num_overlapped_steps"] <= 1
+    alone, snap = run(tiny_llama, prompts[:1], params[:1], async_scheduling=True)
+    assert summary(alone) == summary(want[:1]) and snap["num_overlapped_steps"] >= 8
+
+
+def test_preemption_under_async_scheduling(tiny_llama):
+    prompts, params = workload()
+    want, _ = run(tiny_llama, prompts, params)
+    llm = LLM(str(tiny_llama), num_kv_blocks=10, block_size=8, async_scheduling=True)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    snap = llm.engine.snapshot()
+    assert snap["num_preemptions"] > 0 and snap["num_overlapped_steps"] > 0
+    assert summary(got) == summary(want)
+    assert snap["num_free_blocks"] == snap["num_blocks"]
+
+
+def test_abort_while_a_step_is_in_flight(tiny_llama):
+    prompts, params = workload()
+    want, _ = run(tiny_llama, prompts, params)
+    llm = LLM(str(tiny_llama), num_kv_blocks=64, async_scheduling=True)
+    engine = llm.engine
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"r{i}", prompt, p)
+    finals, steps = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+        steps += 1
+        if steps == 3:
+            assert engine._in_flight is not None  # the abort lands between launch and collect
+            engine.abort_request(["r0", "r4"])
+    for i, expected in enumerate(want):
+        if i not in (0, 4):
+            assert summary([finals[f"r{i}"]]) == summary([expected])
+    snap = engine.snapshot()
+    assert snap["num_free_blocks"] == snap["num_blocks"] and snap["num_running"] == 0
+
+
+@pytest.mark.parametrize("where", ["launch", "wait"])
+def test_a_failed_step_requeues_its_requests(tiny_llama, monkeypatch, where):
+    """A step that fails to launch (while the previous one is in flight) or whose results never
+    land: the step raises, its requests (and those of a step launched after it, which read its
+    tokens on the device) queue again holding nothing (one readmitted while its token is in
+    flight computes its known tokens and samples only once that token is there), and the greedy
+    outputs are as if nothing had happened."""
+    from engine.model_runner import LaunchedStep, ModelRunner
+
+    prompts, params = workload()
+    want, _ = run(tiny_llama, prompts, params)
+    llm = LLM(str(tiny_llama), num_kv_blocks=64, async_scheduling=True)
+    engine = llm.engine
+    owner = LaunchedStep if where == "wait" else ModelRunner
+    real, calls = getattr(owner, where), iter(range(100))
+
+    def failing_once(*args):
+        if next(calls) == 4:
+            assert where == "wait" or engine._in_flight is not None
+            raise RuntimeError("injected")
+        return real(*args)
+
+    monkeypatch.setattr(owner, where, failing_once)
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"r{i}", prompt, p)
+    finals, failed = {}, 0
+    while engine.has_unfinished_requests():
+        try:
+            outs = engine.step()
+        except RuntimeError:
+            failed += 1
+            continue
+        finals.update((o.request_id, o) for o in outs if o.finished)
+    assert failed == 1
+    # Seeded requests draw again from where their generators are: compare the greedy ones.
+    for i in range(0, len(prompts), 3):
+        assert summary([finals[f"r{i}"]]) == summary([want[i]])
+    assert all(
+        len(f.outputs[0].token_ids) <= p.max_tokens
+        for f, p in zip((finals[f"r{i}"] for i in range(len(prompts))), params, strict=True)
+    )
+    snap = engine.snapshot()
+    assert snap["num_free_blocks"] == snap["num_blocks"]
+
+
+def test_static_buffers_read_the_device_tokens(tiny_llama):
+    """The padded static-buffer forward (CUDA graphs on a GPU; eager here, Triton's
+    interpreter) takes the step in flight's tokens like the eager path does."""
+    prompts, params = workload()
+    prompts, params = prompts[:4], [SamplingParams(temperature=0, max_tokens=5)] * 4
+    kwargs = dict(attention_backend="triton", max_num_seqs=8)
+    want, _ = run(tiny_llama, prompts, params, **kwargs)
+    llm = LLM(str(tiny_llama), num_kv_blocks=64, async_scheduling=True, **kwargs)
+    runner = llm.engine.runner
+    runner.use_graphs(8, llm.engine.max_model_len, 1)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert runner.graphs.num_replays > 0 and llm.engine.num_overlapped_steps > 0
+    assert summary(got) == summary(want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_async_scheduling_on_cuda(tiny_llama):
+    """On by default with CUDA (graphs, pinned inputs, the results' copy queued behind the
+    step): greedy and seeded tokens equal synchronous steps' in float32."""
+    prompts, params = workload()
+    kwargs = dict(device="cuda", dtype="float32")
+    want, _ = run(tiny_llama, prompts, params, async_scheduling=False, **kwargs)
+    got, snap = run(tiny_llama, prompts, params, **kwargs)
+    assert snap["num_overlapped_steps"] > 0.5 * snap["num_steps"]
+    assert summary(got) == summary(want)
