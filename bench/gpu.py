@@ -314,11 +314,11 @@ def engine_run(
     max_num_seqs: int,
     eager=False,
     sampled=False,
-    overlap=None,
+    overlap=True,
 ):
     """(seconds, output tokens, decode-only seconds, decode steps) for one engine run;
     eager: no CUDA graphs; sampled: temperature 0.8, top-p 0.95 instead of greedy; overlap:
-    async scheduling (None: the engine's default, on with CUDA)."""
+    async scheduling (the default on CUDA; set here so that --smoke runs it on CPU too)."""
     from engine import LLM, SamplingParams
 
     llm = LLM(
@@ -341,14 +341,19 @@ def engine_run(
     decode_s, decode_steps, tokens = 0.0, 0, 0
     sched = engine.scheduler
     while engine.has_unfinished_requests():
-        s0 = time.perf_counter()
-        # Decode-only: nobody waits and every running request has one token to compute.
+        s0, launched = time.perf_counter(), engine.num_steps
+        # Decode-only: nobody waits, and every running request has its first token on the host
+        # (under async scheduling the call that brings it also launched a decode step, while
+        # waiting for the prefill) and one token to compute. Steps counted as launched: the
+        # last call only collects.
         mixed = bool(sched.waiting) or any(
-            r.num_tokens - r.num_computed_tokens > 1 for r in sched.running
+            r.num_output_tokens == 0 or r.num_tokens - r.num_computed_tokens > 1
+            for r in sched.running
         )
         outs = engine.step()
         if not mixed:
-            decode_s, decode_steps = decode_s + time.perf_counter() - s0, decode_steps + 1
+            decode_s += time.perf_counter() - s0
+            decode_steps += engine.num_steps - launched
         tokens += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
     sync()
     seconds = time.perf_counter() - t0
@@ -371,9 +376,9 @@ def bench_decode(model_dir: Path, name: str, copy_bw: float) -> dict:
     roofline = copy_bw / (weights + kv_per_token * mean_ctx)  # tokens/s
     out = {"roofline_tok_s": roofline}
     for mode, eager, overlap in (
-        ("graphs", False, None),
+        ("graphs", False, True),
         ("graphs, sync steps", False, False),
-        ("eager", True, None),
+        ("eager", True, True),
     ):
         _, _, decode_s, steps = engine_run(model_dir, prompt, new, 1, eager=eager, overlap=overlap)
         tok_s = steps / decode_s if steps else float("nan")
