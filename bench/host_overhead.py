@@ -12,14 +12,15 @@ small, and timed on its own (the forward and the LM head, through wrappers) to b
     host per step = (wall time of the decode steps - model time) / steps
 
 - tandem: `LLMEngine.step` over B requests (prompt 256 random ids, 128 new tokens, greedy, EOS
-  ignored), the torch backend; outputs FINAL_ONLY (what `LLM.generate` asks for) and
-  CUMULATIVE (what the server's streams take).
+  ignored), the torch backend; outputs FINAL_ONLY (what `LLM.generate` asks for), DELTA (what
+  the server asks for) and CUMULATIVE (what it asked for before).
 - hf: `model.generate` on one static batch of the same requests, its forward timed the same
   way: HF's own loop (logits processors, stopping criteria, cache bookkeeping), which does no
   detokenization, stop strings or scheduling.
 
 Batch sizes 1, 32 and 128 (--quick: 1 and 32). One thread. Last line:
-    RESULT host_us_per_request_b128=.. final_x_cumulative_b128=.. tandem_x_hf_host_b128=..
+    RESULT host_us_per_request_b128=.. final_x_cumulative_b128=.. delta_x_cumulative_b128=..
+    tandem_x_hf_host_b128=..
 (the largest batch measured; x: the ratio of host times, > 1 when the first is slower;
 each figure the best of two runs)
 """
@@ -170,21 +171,24 @@ def main(argv: list[str] | None = None) -> None:
             # Each the best of two runs: host times of one run vary by ~20% here.
             (final, ids), _ = sorted(tandem_host(path, batch, final_only) for _ in range(2))
             cumulative = min(tandem_host(path, batch, cumulative_kind)[0] for _ in range(2))
+            delta = min(tandem_host(path, batch, RequestOutputKind.DELTA)[0] for _ in range(2))
             (hf, hf_ids), _ = sorted(hf_host(path, batch) for _ in range(2))
             same = sum(a == b for a, b in zip(ids, hf_ids, strict=True))
-            results[batch] = (final, cumulative, hf)
+            results[batch] = (final, cumulative, delta, hf)
             print(
                 f"batch {batch:>3}: tandem final_only {1e3 * final:.3f} ms/step "
                 f"({1e6 * final / batch:.1f} us/request), cumulative {1e3 * cumulative:.3f} ms, "
+                f"delta {1e3 * delta:.3f} ms, "
                 f"hf generate {1e3 * hf:.3f} ms ({1e6 * hf / batch:.1f} us/request); "
                 f"token ids equal HF's {same}/{batch}"
             )
             gc.collect()
     b = batches[-1]
-    final, cumulative, hf = results[b]
+    final, cumulative, delta, hf = results[b]
     print(
         f"RESULT host_us_per_request_b{b}={1e6 * final / b:.1f} "
-        f"final_x_cumulative_b{b}={final / cumulative:.2f} tandem_x_hf_host_b{b}={final / hf:.2f}"
+        f"final_x_cumulative_b{b}={final / cumulative:.2f} "
+        f"delta_x_cumulative_b{b}={delta / cumulative:.2f} tandem_x_hf_host_b{b}={final / hf:.2f}"
     )
 
 

@@ -83,10 +83,14 @@ class IncrementalDetokenizer:
             self.text += full[len(prefix) :]
             self.read_offset = len(self.ids)
 
-    def visible_text(self, finished: bool) -> str:
-        """Text safe to show: all of it when finished, else minus the stop-string hold-back.
-        It only ever grows: a stop string can only cut inside the held-back tail."""
+    def visible_len(self, finished: bool) -> int:
+        """How much of the text is safe to show: all of it when finished, else all but the
+        stop-string hold-back. It only ever grows: a stop string can only cut inside the
+        held-back tail."""
         if finished or not self.stop:
-            return self.text
+            return len(self.text)
         self.num_visible = max(self.num_visible, len(self.text) - self.hold_back)
-        return self.text[: self.num_visible]
+        return self.num_visible
+
+    def visible_text(self, finished: bool) -> str:
+        return self.text[: self.visible_len(finished)]

@@ -654,16 +654,17 @@ class LLMEngine:
             return None
         completions = []
         for request, detok in zip(group.requests, group.detokenizers, strict=True):
-            text = detok.visible_text(request.is_finished)
+            visible = detok.visible_len(request.is_finished)
             chars = tokens = 0
             if kind == RequestOutputKind.DELTA:
                 chars, tokens, _ = sent = group.sent[request.index]
                 ended = request.is_finished
-                sent = advance(sent, len(text), request.num_output_tokens, ended)
+                sent = advance(sent, visible, request.num_output_tokens, ended)
                 if sent is None:
                     continue  # nothing new of this completion
                 group.sent[request.index] = sent
-            completions.append(self._completion(request, text, chars, tokens))
+            text = detok.text[chars:visible]
+            completions.append(self._completion(request, text, tokens))
         leader, failed = group.requests[0], group.failed
         prompt_lps = None
         if leader.params.prompt_logprobs is not None and not group.sent_prompt_logprobs:
@@ -689,16 +690,16 @@ class LLMEngine:
         )
 
     @staticmethod
-    def _completion(request: Request, text: str, chars: int, tokens: int) -> CompletionOutput:
-        """One completion after its first `chars` characters and `tokens` tokens (0, 0: all of
-        it). Lists are copies: later steps extend the request's own. rejected_drafts keep
-        their indices into the whole completion."""
+    def _completion(request: Request, text: str, tokens: int) -> CompletionOutput:
+        """One completion after its first `tokens` tokens (0: all of it), `text` the matching
+        part of its text. Lists are copies: later steps extend the request's own.
+        rejected_drafts keep their indices into the whole completion."""
         with_logprobs = request.params.logprobs is not None
         start = request.num_prompt_tokens + tokens
         rejected = request.rejected_drafts
         return CompletionOutput(
             index=request.index,
-            text=text[chars:] if chars else text,
+            text=text,
             token_ids=request.token_ids[start:],
             cumulative_logprob=request.cumulative_logprob if with_logprobs else None,
             logprobs=request.logprobs[tokens:] if with_logprobs else None,

@@ -2,8 +2,10 @@
 
 The engine is single-threaded: only the loop thread touches it, and `lock` is held for each
 step and each batch of submissions, so `snapshot()` from another thread sees a consistent state.
-Callers on an asyncio loop submit with `generate()` (an async iterator of cumulative
-RequestOutputs) and abort by closing it: a client that disconnects frees its blocks.
+Callers on an asyncio loop submit with `add_request()` and read a RequestStream: what is new
+since their last read (the engine hands out DELTA outputs, so its thread does work in
+proportion to what each step adds, not to each request's length), or with `last()` the whole
+output. Closing the stream aborts the request: a client that disconnects frees its blocks.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.outputs import OutputAccumulator, RequestOutput
+from engine.sampling_params import RequestOutputKind, SamplingParams
 from lora.adapter import LoRARequest
 
 logger = logging.getLogger("tandem.server")
@@ -30,18 +32,18 @@ class EngineDeadError(RuntimeError):
 
 @dataclass
 class _Stream:
-    """The latest cumulative output of one request, handed from the loop thread to a coroutine.
-    Outputs are cumulative, so a slow reader skips intermediate ones and loses nothing."""
+    """One request's outputs not read yet, handed from the loop thread to a coroutine: the
+    deltas are joined as they arrive, so a slow reader gets them in one piece, losing nothing."""
 
     loop: asyncio.AbstractEventLoop
     ready: asyncio.Event = field(default_factory=asyncio.Event)
-    latest: RequestOutput | None = None
+    unread: OutputAccumulator = field(default_factory=OutputAccumulator)
     error: BaseException | None = None
 
     def put(self, out: RequestOutput | None, error: BaseException | None = None) -> None:
         def deliver() -> None:
             if out is not None:
-                self.latest = out
+                self.unread.add(out)
             if error is not None:
                 self.error = error
             self.ready.set()
@@ -59,7 +61,8 @@ class OutputObserver:
 
 
 class RequestStream:
-    """The outputs of one submitted request: iterate once; close() aborts it if unfinished."""
+    """The outputs of one submitted request: iterate once (each item holds what is new since
+    the previous one), or read `last()`; close() aborts it if unfinished."""
 
     def __init__(self, engine: AsyncEngine, request_id: str, stream: _Stream):
         self.engine, self.request_id, self._stream = engine, request_id, stream
@@ -71,8 +74,8 @@ class RequestStream:
             while not self.finished:
                 await stream.ready.wait()
                 stream.ready.clear()
-                if stream.latest is not None:
-                    out, stream.latest = stream.latest, None
+                if not stream.unread.empty:
+                    out = stream.unread.take()
                     self.finished = out.finished
                     yield out
                 if stream.error is not None and not self.finished:
@@ -80,12 +83,21 @@ class RequestStream:
         finally:
             self.close()
 
-    async def last(self) -> RequestOutput:
-        """Read to the end; the finished output."""
-        out = None
-        async for out in self:  # noqa: B007 - the last one is the finished output
-            pass
-        return out
+    async def last(self) -> RequestOutput | None:
+        """Read to the end; the whole finished output (None if none came)."""
+        whole = OutputAccumulator()
+        async for out in self:
+            whole.add(out)
+        return None if whole.empty else whole.take()
+
+    async def cumulative(self) -> AsyncIterator[RequestOutput]:
+        """Read to the end, each item the whole output so far (displays that redraw it)."""
+        whole = OutputAccumulator()
+        async for out in self:
+            whole.add(out)
+            snapshot = whole.take()
+            yield snapshot
+            whole.add(snapshot)
 
     def close(self) -> None:
         if not self.finished and not self.closed:
@@ -188,7 +200,9 @@ class AsyncEngine:
         cache_salt: str | None = None,
     ) -> RequestStream:
         """Submit one request; raises ValueError if the engine refuses it. Returns its stream of
-        cumulative outputs; close() it (or cancel its reader) to abort the request."""
+        outputs (params' output_kind is replaced: DELTA); close() it (or cancel its reader) to
+        abort the request."""
+        params = params.with_output_kind(RequestOutputKind.DELTA)
         loop = asyncio.get_running_loop()
         # Compile the constraint here, off the loop thread and off the event loop: the engine's
         # add_request then finds it in the cache.

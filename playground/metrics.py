@@ -37,16 +37,16 @@ class ServerMetrics(OutputObserver):
         self._last: dict[str, tuple[float, int]] = {}  # request id -> (time, tokens) last seen
 
     def on_output(self, out: RequestOutput, now: float) -> None:
-        tokens = sum(len(c.token_ids) for c in out.outputs)
+        new = sum(len(c.token_ids) for c in out.outputs)  # outputs are deltas (AsyncEngine)
         last = self._last.get(out.request_id)
-        if last is None and tokens and out.metrics and out.metrics.first_token_time is not None:
+        if last is None and new and out.metrics and out.metrics.first_token_time is not None:
             self.ttft.observe(max(0.0, out.metrics.first_token_time - out.metrics.arrival_time))
-        elif last is not None and tokens > last[1]:
-            per_token = (now - last[0]) / (tokens - last[1])
-            for _ in range(tokens - last[1]):
+        elif last is not None and new:
+            per_token = (now - last[0]) / new
+            for _ in range(new):
                 self.itl.observe(per_token)
-        if tokens:
-            self._last[out.request_id] = (now, tokens)
+        if new:
+            self._last[out.request_id] = (now, (last[1] if last else 0) + new)
         if out.finished:
             self._last.pop(out.request_id, None)
             if out.metrics is not None and out.metrics.finished_time is not None:

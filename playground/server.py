@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.llm import chat_prompt_ids
-from engine.outputs import NOTHING_SENT, RequestOutput, Sent, advance
+from engine.outputs import RequestOutput
 from lora.adapter import LoRARequest
 from playground import protocol
 from playground.async_engine import AsyncEngine, EngineDeadError, RequestStream
@@ -306,26 +306,18 @@ async def _sse(
             for i in range(len(streams) * n)
         ]
         yield event(ctx.envelope(first, chunk=True))
-    sent: dict[int, Sent] = {}  # choice index -> what of it the chunks so far carried
     prompt_tokens: dict[int, int] = {}
     completion_tokens: dict[int, int] = {}
     try:
-        async for i, out in _merge(streams):
+        async for i, out in _merge(streams):  # each output holds only what is new
             if out.error:
                 raise request_failed(out)
             prompt_tokens[i] = len(out.prompt_token_ids)
             choices = []
             for c in out.outputs:
                 index = i * n + c.index
-                chars, toks, _ = before = sent.get(index, NOTHING_SENT)
-                now = advance(before, len(c.text), len(c.token_ids), c.finish_reason is not None)
-                if now is None:
-                    continue  # nothing new: a sibling's step, or after its finish chunk
-                sent[index] = now
-                completion_tokens[index] = len(c.token_ids)
-                choices.append(
-                    protocol.choice(ctx, index, c.since(chars, toks), logprobs, delta=True)
-                )
+                completion_tokens[index] = completion_tokens.get(index, 0) + len(c.token_ids)
+                choices.append(protocol.choice(ctx, index, c, logprobs, delta=True))
             if choices:
                 yield event(ctx.envelope(choices, chunk=True))
     except (APIError, EngineDeadError, ValueError) as exc:

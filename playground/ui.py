@@ -13,6 +13,7 @@ import gradio as gr
 from fastapi import FastAPI
 
 from engine.llm import chat_prompt_ids
+from engine.outputs import OutputAccumulator
 from engine.sampling_params import SamplingParams
 from playground import views
 from playground.server import ServerState
@@ -117,7 +118,7 @@ class Playground:
         pieces = views.TokenPieces(state.tokenizer)
         start = time.monotonic()
         try:
-            async for out in stream:
+            async for out in stream.cumulative():
                 c = out.outputs[0]
                 texts = pieces.update(c.token_ids)
                 rejected = [(pos, state.tokenizer.decode(ids_)) for pos, ids_ in c.rejected_drafts]
@@ -200,11 +201,12 @@ class Playground:
         stream = None
         try:
             stream = await self.state.engine.add_request(request_id, ids, params, lora_request=lora)
-            out = None
-            async for out in stream:  # noqa: B007 - the last one is the finished output
+            whole = OutputAccumulator()
+            async for out in stream:
+                whole.add(out)
                 if started is not None:
                     started.set()
-            return out
+            return None if whole.empty else whole.take()
         finally:
             if stream is not None:
                 stream.close()

@@ -94,6 +94,29 @@ def test_output_kinds_carry_the_same_completions(llm):
         assert w["finishes"] == [c.finish_reason]  # once, with the last delta of it
 
 
+@pytest.mark.parametrize("take_every", [1, 3, 1000])
+def test_accumulated_deltas_equal_the_cumulative_output(llm, take_every):
+    """engine.outputs.OutputAccumulator (the server's streams): deltas joined in pieces of
+    take_every (a reader that takes after every output, one that falls behind, one that reads
+    at the end) give, joined again, CUMULATIVE's last output: completions, prompt logprobs,
+    finish."""
+    from engine.outputs import OutputAccumulator
+
+    kinds = (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA)
+    outs = run(llm.engine, {k.name: params(k) for k in kinds})
+    last, deltas = outs["CUMULATIVE"][-1], outs["DELTA"]
+    unread, whole = OutputAccumulator(), OutputAccumulator()
+    for i, delta in enumerate(deltas, 1):
+        unread.add(delta)
+        if i % take_every == 0 or i == len(deltas):
+            whole.add(unread.take())
+    assert unread.empty
+    got = whole.take()
+    assert got.outputs == last.outputs and got.finished
+    assert got.prompt_logprobs == last.prompt_logprobs is not None
+    assert sum(len(c.rejected_drafts) for c in got.outputs) > 0
+
+
 def test_delta_leaves_out_completions_with_nothing_new(llm):
     """n = 2, one completion ended early by a stop token the other never emits: after it ends,
     DELTA outputs carry the other alone, CUMULATIVE ones keep both."""
