@@ -19,6 +19,8 @@ class KVCacheManager:
         # Leading blocks of each request's table already offered to the prefix cache: each step
         # registers only the blocks after them (not the whole table again).
         self.num_offered: dict[Request, int] = {}
+        # Leading blocks of each request's table flagged as holding draft KV (the same idea).
+        self.num_draft_marked: dict[Request, int] = {}
 
     def release_copy_sources(self) -> None:
         """The step's copy-on-write copies have run: drop the references their sources held."""
@@ -118,8 +120,10 @@ class KVCacheManager:
         """Flag the request's full blocks within its draft-computed tokens as holding the draft
         model's KV too, so a prefix hit on them spares the draft its catch-up."""
         table = self.block_tables.get(request, [])
-        for block in table[: request.num_draft_computed // self.block_size]:
+        end = min(request.num_draft_computed // self.block_size, len(table))
+        for block in table[self.num_draft_marked.get(request, 0) : end]:
             self.pool.draft_ready[block] = True
+        self.num_draft_marked[request] = max(end, self.num_draft_marked.get(request, 0))
 
     def num_draft_ready(self, blocks: list[int]) -> int:
         """Leading blocks of a prefix hit whose draft KV is valid."""
@@ -137,8 +141,9 @@ class KVCacheManager:
         if len(table) > keep:
             self.pool.free(table[keep:])
             del table[keep:]
-            if self.num_offered.get(request, 0) > keep:
-                self.num_offered[request] = keep
+            for cursor in (self.num_offered, self.num_draft_marked):
+                if cursor.get(request, 0) > keep:
+                    cursor[request] = keep
 
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares every block of the parent (copy-on-write on first append)."""
@@ -146,10 +151,12 @@ class KVCacheManager:
         self.pool.touch(table)
         self.block_tables[child] = list(table)
         self.num_offered[child] = self.num_offered.get(parent, 0)
+        self.num_draft_marked[child] = self.num_draft_marked.get(parent, 0)
 
     def free(self, request: Request) -> None:
         table = self.block_tables.pop(request, None)
         self.num_offered.pop(request, None)
+        self.num_draft_marked.pop(request, None)
         if table:
             self.pool.free(table)
 

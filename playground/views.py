@@ -11,6 +11,8 @@ import html
 import time
 from collections import deque
 
+from engine.detokenizer import IncrementalDetokenizer
+
 KIND_STYLE = {  # token kind -> (label, colour)
     "p": ("plain", "transparent"),
     "f": ("forced (grammar)", "#d8c7ff"),
@@ -32,23 +34,21 @@ def _esc(text: str) -> str:
 
 # ---- tokens ---------------------------------------------------------------------------------
 class TokenPieces:
-    """Each output token's text, decoded incrementally (a piece is what that token added)."""
+    """Each output token's text, decoded incrementally (a piece is what that token added; a
+    token that ends inside a character adds nothing until a later one completes it). The
+    engine's IncrementalDetokenizer: a short window per token, not the whole output again."""
 
     def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
+        self._detok = IncrementalDetokenizer(tokenizer, [], True, [], False)
+        self.num_ids = 0
         self.pieces: list[str] = []
-        self._text = ""
 
     def update(self, token_ids: list[int]) -> list[str]:
-        for token in token_ids[len(self.ids) :]:
-            self.ids.append(token)
-            text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-            if text.endswith("\ufffd"):  # half a character: it completes with a later token
-                self.pieces.append("")
-                continue
-            self.pieces.append(text[len(self._text) :])
-            self._text = text
+        for token in token_ids[self.num_ids :]:
+            before = len(self._detok.text)
+            self._detok.add_token(token, check_stop=False)
+            self.pieces.append(self._detok.text[before:])
+        self.num_ids = len(token_ids)
         return self.pieces
 
 

@@ -64,6 +64,27 @@ def test_token_pieces_wait_for_whole_characters():
     assert pieces.update(ids) == ["", "é", "!"]
 
 
+def test_token_pieces_join_to_the_whole_decoding():
+    """Pieces fed a few tokens at a time (as a stream grows) join to the exact decoding of all
+    of them, special tokens skipped: SmolLM2's tokenizer over random ids, multi-byte pieces
+    included."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from engine.models.registry import resolve_model
+
+    tok = AutoTokenizer.from_pretrained(str(resolve_model("smollm2-135m-instruct")))
+    rng = random.Random(0)
+    ids = tok.encode("naïve café, 你好 🙂 ") + [rng.randrange(len(tok)) for _ in range(300)]
+    pieces = views.TokenPieces(tok)
+    for end in range(0, len(ids) + 5, 5):
+        got = pieces.update(ids[: min(end, len(ids))])
+    assert len(got) == len(ids)
+    whole = tok.backend_tokenizer.decode(ids, skip_special_tokens=True)
+    assert "".join(got).rstrip("\ufffd") == whole.rstrip("\ufffd")
+
+
 def test_history_holds_rates_between_prompts():
     h = views.History(period=0)
     for i, (q, hit) in enumerate([(0, 0), (10, 5), (10, 5), (20, 5)]):
