@@ -107,14 +107,18 @@ class KVCacheManager:
                 self.uncomputed.append(block)
         self.num_offered[request] = max(first, end)
 
-    def step_computed(self) -> None:
-        """The step ran: the blocks registered ahead of it now hold their K/V."""
-        self.uncomputed = []
+    def step_launched(self) -> list[int]:
+        """The step is queued: the blocks registered ahead of it hold their K/V once it lands
+        (anything reading them runs after it). Returns them, to forget if it never lands."""
+        blocks, self.uncomputed = self.uncomputed, []
+        return blocks
 
-    def forget_uncomputed(self) -> None:
-        """The step failed: blocks registered ahead of it hold no K/V, unregister them."""
-        self.pool.uncache(self.uncomputed)
-        self.uncomputed = []
+    def forget_uncomputed(self, blocks: list[int] | None = None) -> None:
+        """A step failed: the blocks registered ahead of it (these, or the current schedule's)
+        hold no K/V; unregister them."""
+        self.pool.uncache(self.uncomputed if blocks is None else blocks)
+        if blocks is None:
+            self.uncomputed = []
 
     def mark_draft_computed(self, request: Request) -> None:
         """Flag the request's full blocks within its draft-computed tokens as holding the draft

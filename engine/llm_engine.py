@@ -66,13 +66,15 @@ class RequestGroup:
 @dataclass
 class InFlight:
     """A launched step: what was scheduled, the runner's handle, when drafting and the
-    target's launch began, and whether the next step may be scheduled before it lands."""
+    target's launch began, whether the next step may be scheduled before it lands, and the
+    blocks it fills that the prefix cache offers already."""
 
     sched: SchedulerOutput
     launched: LaunchedStep
     t0: float
     t1: float
     overlappable: bool
+    uncomputed: list[int]  # blocks registered in the prefix cache ahead of it
 
 
 class LLMEngine:
@@ -391,13 +393,13 @@ class LLMEngine:
             self.kv.release_copy_sources()
             self.scheduler.unschedule(sched)
             raise
-        self.kv.step_computed()
+        uncomputed = self.kv.step_launched()
         self.kv.release_copy_sources()
         for request, n, k in sched.scheduled():
             request.num_computed_tokens += n - k
         for request in launched.members:
             request.num_pending += 1
-        return InFlight(sched, launched, t0, t1, self._overlappable(launched.members))
+        return InFlight(sched, launched, t0, t1, self._overlappable(launched.members), uncomputed)
 
     def _overlappable(self, members: list[Request]) -> bool:
         """Whether the next step may be scheduled before these requests' tokens reach the host:
@@ -422,10 +424,12 @@ class LLMEngine:
             result = step.launched.wait()
         except BaseException:
             # Its tokens never come: its requests queue again, and so do those of a step
-            # launched after it (which read them on the device).
+            # launched after it (which read them on the device); the blocks either was to
+            # fill leave the prefix cache.
             for lost in filter(None, (step, self._take_in_flight())):
                 for request in lost.launched.members:
                     request.num_pending -= 1
+                self.kv.forget_uncomputed(lost.uncomputed)
                 self.scheduler.unschedule(lost.sched)
             raise
         t2 = time.perf_counter()
@@ -434,14 +438,14 @@ class LLMEngine:
             request.num_pending -= 1
         self.spec_time["draft"] += t1 - t0
         self.spec_time["verify"] += t2 - t1
-        self._observe_costs(sched.total_tokens, t2 - t1)
-        num_drafts = sum(sched.num_drafts)
+        num_tokens, num_drafts = sched.total_tokens, sum(sched.num_drafts)
+        self._observe_costs(num_tokens, t2 - t1)
         for request, n, k in sched.scheduled():
             if request.is_finished:
                 continue
             # This request's share of the step: draft time by its drafts, target time by rows.
             request.spec.draft_seconds += (t1 - t0) * k / num_drafts if num_drafts else 0.0
-            request.spec.target_seconds += (t2 - t1) * n / sched.total_tokens
+            request.spec.target_seconds += (t2 - t1) * n / num_tokens
             num_accepted = result.num_accepted.get(request, 0)
             request.num_computed_tokens += num_accepted
             request.step_kinds = "p"

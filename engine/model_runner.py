@@ -406,6 +406,8 @@ class ModelRunner:
         return [pending.tokens, pending.num_accepted, *lp], finish
 
     def _prompt_logprobs(self, hidden, items: list[ForwardItem], result: StepResult) -> None:
+        if all(item.request.params.prompt_logprobs is None for item in items):
+            return
         start_row = 0
         for item in items:
             request, n, start = item.request, len(item.token_ids), item.start

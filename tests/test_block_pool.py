@@ -329,7 +329,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         else:
             self.num_empty_steps = 0
         self.run_model(out, waiting)
-        self.kv.step_computed()
+        self.kv.step_launched()
         for r, n in zip(out.requests, out.num_new_tokens, strict=True):
             r.num_computed_tokens += n
             self.kv.cache_blocks(r)

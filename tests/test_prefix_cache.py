@@ -154,21 +154,26 @@ def test_requests_admitted_together_share_what_the_first_computes(model_dir):
     assert_idle(llm)
 
 
-def test_a_failed_step_leaves_no_uncomputed_block_in_the_cache(model_dir, monkeypatch):
-    """A step that raises before its K/V is written: the blocks registered ahead of it leave the
-    prefix cache and its requests queue again holding nothing, so the next steps compute
-    everything and the outputs are as if it never happened."""
+@pytest.mark.parametrize("where", ["launch", "wait"])
+def test_a_failed_step_leaves_no_uncomputed_block_in_the_cache(model_dir, monkeypatch, where):
+    """A step that raises as it is launched, or whose results never land (its K/V may never
+    have been written): the blocks registered ahead of it leave the prefix cache and its
+    requests queue again holding nothing, so the next steps compute everything and the
+    outputs are as if it never happened."""
+    from engine.model_runner import LaunchedStep, ModelRunner
+
     prompts = shared_prefix_prompts()
     llm = LLM(model_dir, num_kv_blocks=48, block_size=BS)
-    runner, real = llm.engine.runner, llm.engine.runner.launch
+    owner = ModelRunner if where == "launch" else LaunchedStep
+    real = getattr(owner, where)
     failures = iter([RuntimeError("injected")])
 
-    def launch_once_failing(*args):
+    def once_failing(*args):
         for exc in failures:
             raise exc
         return real(*args)
 
-    monkeypatch.setattr(runner, "launch", launch_once_failing)
+    monkeypatch.setattr(owner, where, once_failing)
     for i, prompt in enumerate(prompts):
         llm.engine.add_request(f"retry-{i}", prompt, GREEDY)
     with pytest.raises(RuntimeError, match="injected"):
