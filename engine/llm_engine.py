@@ -403,12 +403,14 @@ class LLMEngine:
 
     def _overlappable(self, members: list[Request]) -> bool:
         """Whether the next step may be scheduled before these requests' tokens reach the host:
-        nothing that shapes their next step reads them (drafts, grammar masks, penalties,
-        min_tokens bans, forking n > 1 siblings)."""
+        nothing that shapes their next step reads them (drafts, forced tokens, grammar masks,
+        penalties, min_tokens bans, forking n > 1 siblings)."""
         if not self.async_scheduling or self.proposer is not None:
             return False
+        forced = self.forced_tokens
         return not any(
             r.grammar is not None
+            or (forced is not None and forced.applies_to(r))
             or r.spec_token_ids
             or r.siblings
             or r.status == RequestStatus.FORK_PENDING
@@ -505,7 +507,9 @@ class LLMEngine:
         adaptive = []
         for request in self.scheduler.running:
             request.forced_token_ids = []
-            if self.forced_tokens is not None and request.is_decoding and not request.error:
+            # (A token still in flight: what it forces next is not known yet.)
+            ready = request.is_decoding and not request.error and not request.num_pending
+            if self.forced_tokens is not None and ready:
                 try:
                     request.forced_token_ids = self.forced_tokens.forced_tokens(
                         request, MAX_SPECULATIVE_TOKENS

@@ -29,6 +29,11 @@ class ForcedTokens(Protocol):
 
     def forced_tokens(self, request: Request, limit: int) -> list[int]: ...
 
+    def applies_to(self, request: Request) -> bool:
+        """Whether it may force tokens for this request at all (then each of its steps waits
+        for the last one's tokens: what is forced next depends on them)."""
+        ...
+
 
 def drafts_wanted(sched: SchedulerOutput):
     """(request, drafts still to propose) for every request with draft slots left."""

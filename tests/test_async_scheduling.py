@@ -105,6 +105,39 @@ def test_requests_that_need_host_tokens_drain_the_pipeline(tiny_llama):
     assert summary(alone) == summary(want[:1]) and snap["num_overlapped_steps"] >= 8
 
 
+def test_forced_tokens_wait_for_the_token_in_flight(tiny_llama):
+    """A forced-token source (here: replaying their own greedy continuation for the first four
+    requests) is not asked about a request whose last token is still in flight, and the steps
+    of the requests it applies to are collected before the next is scheduled: what it forces
+    next depends on their tokens. Once those requests are done the others' steps overlap; the
+    tokens are those of synchronous steps."""
+    prompts, _ = workload()
+    params = [
+        SamplingParams(temperature=0, max_tokens=4 if i < 4 else 12, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    want, _ = run(tiny_llama, prompts, params)
+    replay = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts[:4], want, strict=False)}
+
+    class Replay:
+        def applies_to(self, request) -> bool:
+            return tuple(request.prompt_token_ids) in replay
+
+        def forced_tokens(self, request, limit):
+            assert request.num_pending == 0, "asked while its token was in flight"
+            n = request.num_output_tokens
+            return replay.get(tuple(request.prompt_token_ids), [])[n : n + min(limit, 2)]
+
+    llm = LLM(str(tiny_llama), num_kv_blocks=64, async_scheduling=True)
+    llm.engine.forced_tokens = Replay()
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert summary(got) == summary(want)
+    stats, snap = llm.engine.spec_stats, llm.engine.snapshot()
+    assert stats.num_forced > 0 and stats.num_forced_accepted == stats.num_forced
+    assert snap["num_overlapped_steps"] > 0
+    assert snap["num_free_blocks"] == snap["num_blocks"]
+
+
 def test_preemption_under_async_scheduling(tiny_llama):
     prompts, params = workload()
     want, _ = run(tiny_llama, prompts, params)

@@ -352,6 +352,9 @@ class ReplayForcer:
     def __init__(self, reference: dict[tuple, list[int]], m: int, wrong: bool = False):
         self.reference, self.m, self.wrong = reference, m, wrong
 
+    def applies_to(self, request) -> bool:
+        return True
+
     def forced_tokens(self, request, limit: int) -> list[int]:
         done = request.num_output_tokens
         if done % 2:
