@@ -97,7 +97,9 @@ class KVCacheManager:
             return
         hashes = request.full_block_hashes()
         end = min(end, len(hashes))
-        num_computed_blocks = request.num_computed_tokens // self.block_size
+        # Blocks past those whose K/V has landed are filled by a step queued or in flight.
+        landed = max(0, request.num_computed_tokens - request.num_inflight_tokens)
+        num_computed_blocks = landed // self.block_size
         for i in range(first, end):
             block = table[i]
             if self.pool.block_hashes[block] is not None:

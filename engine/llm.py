@@ -109,6 +109,7 @@ class LLM:
                     if out.finished and out.request_id in wanted:
                         finals[out.request_id] = out
                         bar.update(1)
+            self._settle()
         except BaseException:
             self.engine.abort_request([i for i in ids if i not in finals])
             raise
@@ -136,6 +137,13 @@ class LLM:
         finally:
             if not finished:
                 self.engine.abort_request(rid)
+            self._settle()
+
+    def _settle(self) -> None:
+        """Async scheduling: with no request left, collect the step still in flight (it ran
+        for requests that have ended), so the engine is idle when a call returns."""
+        while not self.engine.groups and self.engine.has_unfinished_requests():
+            self.engine.step()
 
     def chat(
         self,

@@ -347,7 +347,9 @@ class LLMEngine:
                     self.scheduler.finish(r, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.groups)
+        """Requests to run, or a step still in flight (its requests may all have ended: one
+        more step() collects it)."""
+        return bool(self.groups) or self._in_flight is not None
 
     # ---- one step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -375,6 +377,12 @@ class LLMEngine:
         groups = list({id(g): g for g in touched}.values())
         return [out for g in groups if (out := self._make_output(g)) is not None]
 
+    @staticmethod
+    def _landed(step: InFlight) -> None:
+        """The step's K/V writes are done (or will never be)."""
+        for request, n, k in step.sched.scheduled():
+            request.num_inflight_tokens -= n - k
+
     def _take_in_flight(self) -> InFlight:
         step, self._in_flight = self._in_flight, None
         return step
@@ -397,6 +405,7 @@ class LLMEngine:
         self.kv.release_copy_sources()
         for request, n, k in sched.scheduled():
             request.num_computed_tokens += n - k
+            request.num_inflight_tokens += n - k
         for request in launched.members:
             request.num_pending += 1
         return InFlight(sched, launched, t0, t1, self._overlappable(launched.members), uncomputed)
@@ -429,6 +438,7 @@ class LLMEngine:
             # launched after it (which read them on the device); the blocks either was to
             # fill leave the prefix cache.
             for lost in filter(None, (step, self._take_in_flight())):
+                self._landed(lost)
                 for request in lost.launched.members:
                     request.num_pending -= 1
                 self.kv.forget_uncomputed(lost.uncomputed)
@@ -436,6 +446,7 @@ class LLMEngine:
             raise
         t2 = time.perf_counter()
         sched, t0, t1 = step.sched, step.t0, step.t1
+        self._landed(step)
         for request in step.launched.members:
             request.num_pending -= 1
         self.spec_time["draft"] += t1 - t0

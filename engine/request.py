@@ -98,6 +98,8 @@ class Request(TokenHistory):
         # Async scheduling: tokens sampled by a step in flight, not yet in token_ids. The
         # scheduler counts them (the next step computes the first from the device's copy).
         self.num_pending = 0
+        # Tokens counted in num_computed_tokens whose K/V a launched step is still writing.
+        self.num_inflight_tokens = 0
         self.status = RequestStatus.WAITING
         self.eos_token_ids = set() if params.ignore_eos else eos_token_ids
         budget = max_model_len - self.num_prompt_tokens

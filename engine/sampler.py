@@ -287,11 +287,13 @@ def race_noise(
 ) -> torch.Tensor:  # [M, V] Exp(1)
     """The exponential race's noise for M rows: the rows without a generator in one batched
     draw, then each seeded row V exponentials from its own generator, in row order."""
-    noise = torch.empty(len(generators), vocab, device=device)
     unseeded = [i for i, g in enumerate(generators) if g is None]
-    if unseeded:
-        rows = len(unseeded)
-        noise[unseeded] = exponential_noise(rows, vocab, generator=generator, device=device)
+    if len(unseeded) == len(generators):
+        return exponential_noise(len(unseeded), vocab, generator=generator, device=device)
+    noise = torch.empty(len(generators), vocab, device=device)
+    if unseeded:  # (indices copied like every step input: a list index would wait for the GPU)
+        at = to_device(host_tensor(unseeded), torch.device(device))
+        noise[at] = exponential_noise(len(unseeded), vocab, generator=generator, device=device)
     for i, g in enumerate(generators):
         if g is not None:
             noise[i] = exponential_noise(vocab, generator=g, device=device)

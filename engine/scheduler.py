@@ -85,8 +85,8 @@ class Scheduler:
             seats = 1 + len(request.siblings)
             if len(self.running) + seats > self.max_num_seqs and self.running:
                 break
-            if not self._lora_fits(request, loras):
-                break  # FCFS: nobody overtakes it
+            if not self._lora_fits(request, loras) or request.num_inflight_tokens:
+                break  # FCFS: nobody overtakes it (nor one requeued with a step in flight)
             prefix = self.kv.find_prefix(request) if request.num_computed_tokens == 0 else []
             num_cached = len(prefix) * self.kv.block_size
             num_new = min(request.num_tokens - num_cached, budget)
@@ -187,6 +187,9 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        # Under async scheduling its last full block became hashable only with its last token:
+        # offer it to the prefix cache now (nothing new otherwise).
+        self.kv.cache_blocks(request)
         self.kv.free(request)
         if request.grammar is not None:
             request.grammar.release()

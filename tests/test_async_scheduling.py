@@ -7,6 +7,8 @@ leave every block free."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -217,6 +219,105 @@ def test_a_failed_step_requeues_its_requests(tiny_llama, monkeypatch, where):
     assert snap["num_free_blocks"] == snap["num_blocks"]
 
 
+def test_prefix_cache_holds_the_same_blocks(tiny_llama):
+    """A request's last full block becomes hashable only with its last token, which arrives
+    after the request was last scheduled: it still enters the prefix cache, so a follow-up
+    that extends the conversation hits as many tokens as with synchronous steps."""
+    prompt, p = [5, 6, 7, 8, 9], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    hits = []
+    for overlap in (False, True):
+        llm = LLM(str(tiny_llama), num_kv_blocks=64, block_size=4, async_scheduling=overlap)
+        out = llm.generate([prompt], p, use_tqdm=False)[0]
+        follow = prompt + out.outputs[0].token_ids + [11, 12]
+        one = SamplingParams(temperature=0, max_tokens=1)
+        hits.append(llm.generate([follow], one, use_tqdm=False)[0].num_cached_tokens)
+    assert hits[0] == hits[1] == 16
+
+
+def test_a_failed_launch_mid_prefill_keeps_prompt_logprobs_once(tiny_llama, monkeypatch):
+    """Chunked prefill with prompt logprobs, the launch of a chunk failing while the previous
+    chunk is in flight: the request is not admitted again before that chunk lands, so its
+    prompt logprobs are recorded once each, as without the failure."""
+    from engine.model_runner import ModelRunner
+
+    prompt = list(range(10, 30))
+    p = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=1)
+    kwargs = dict(num_kv_blocks=64, max_num_batched_tokens=7)
+    want = LLM(str(tiny_llama), **kwargs).generate([prompt], p, use_tqdm=False)[0]
+    llm = LLM(str(tiny_llama), async_scheduling=True, **kwargs)
+    engine, real, calls = llm.engine, ModelRunner.launch, iter(range(100))
+
+    def launch_failing_second(self, *args):
+        if next(calls) == 1:
+            assert engine._in_flight is not None  # the first chunk is still in flight
+            raise RuntimeError("injected")
+        return real(self, *args)
+
+    monkeypatch.setattr(ModelRunner, "launch", launch_failing_second)
+    engine.add_request("r", prompt, p)
+    final, failed = None, 0
+    while engine.has_unfinished_requests():
+        try:
+            final = next((o for o in engine.step() if o.finished), final)
+        except RuntimeError:
+            failed += 1
+    assert failed == 1 and len(final.prompt_logprobs) == len(want.prompt_logprobs) == 20
+    assert final.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("fail_at", [3, 5, 7])
+def test_blocks_a_lost_step_was_to_fill_leave_the_prefix_cache(tiny_llama, monkeypatch, fail_at):
+    """A step whose results never land may never have written its K/V (poisoned here, with
+    that of the step launched after it): every block either was to fill leaves the prefix
+    cache, including a block whose last token was sampled by the step before and so was
+    hashed only after the lost step had been launched. A follow-up extending the request's
+    text then computes what a fresh engine computes."""
+    from engine.attention import slot_ids
+    from engine.model_runner import LaunchedStep, ModelRunner
+
+    bs, prompt = 4, [5, 6, 7, 8, 9]
+    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm = LLM(str(tiny_llama), num_kv_blocks=64, block_size=bs, async_scheduling=True)
+    engine = llm.engine
+    real_forward, real_launch = ModelRunner.forward, ModelRunner.launch
+    real_wait, written, calls = LaunchedStep.wait, {}, iter(range(100))
+
+    def forward(self, items, tables):
+        written["slots"] = [
+            s for it in items for s in slot_ids(tables[it.request], it.start, len(it.token_ids), bs)
+        ]
+        return real_forward(self, items, tables)
+
+    def launch(self, sched, tables):
+        launched = real_launch(self, sched, tables)
+        launched.slots = written["slots"]
+        return launched
+
+    def wait(self):
+        if next(calls) == fail_at:
+            for lost in (self, engine._in_flight and engine._in_flight.launched):
+                for s in lost.slots if lost else []:
+                    engine.runner.kv_caches[:, :, :, s // bs, s % bs] = 1e4
+            raise RuntimeError("injected")
+        return real_wait(self)
+
+    monkeypatch.setattr(ModelRunner, "forward", forward)
+    monkeypatch.setattr(ModelRunner, "launch", launch)
+    monkeypatch.setattr(LaunchedStep, "wait", wait)
+    engine.add_request("r", prompt, p)
+    final = None
+    while engine.has_unfinished_requests():
+        with contextlib.suppress(RuntimeError):
+            final = next((o for o in engine.step() if o.finished), final)
+    monkeypatch.undo()
+    follow = prompt + final.outputs[0].token_ids + [11]
+    one = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    got = llm.generate([follow], one, use_tqdm=False)[0]
+    fresh = LLM(str(tiny_llama), num_kv_blocks=64, block_size=bs)
+    assert got.num_cached_tokens > 0
+    assert summary([got]) == summary(fresh.generate([follow], one, use_tqdm=False))
+
+
 def test_static_buffers_read_the_device_tokens(tiny_llama):
     """The padded static-buffer forward (CUDA graphs on a GPU; eager here, Triton's
     interpreter) takes the step in flight's tokens like the eager path does."""
@@ -257,3 +358,7 @@ def test_async_scheduling_on_cuda(tiny_llama, monkeypatch):
     got, snap = run(tiny_llama, prompts, params, **kwargs)
     assert snap["num_overlapped_steps"] > 0.5 * snap["num_steps"]
     assert summary(got) == summary(want)
+    # Unseeded sampled rows (the engine's shared generator) and logprobs launch without
+    # waiting too.
+    unseeded = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, logprobs=1)] * 4
+    run(tiny_llama, prompts[:4], unseeded, **kwargs)

@@ -150,10 +150,10 @@ class GrammarManager:
         return matcher.is_terminated()
 
     # ---- the coming step -------------------------------------------------------------------
-    @_timed
     def applies_to(self, request: Request) -> bool:
         return request.grammar is not None
 
+    @_timed
     def forced_tokens(self, request: Request, limit: int) -> list[int]:
         """Tokens the grammar forces next (ForcedTokens protocol): while exactly one token is
         allowed take it, else tokenize xgrammar's jump-forward string; at most `limit`."""
