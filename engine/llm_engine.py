@@ -379,9 +379,11 @@ class LLMEngine:
 
     @staticmethod
     def _landed(step: InFlight) -> None:
-        """The step's K/V writes are done (or will never be)."""
+        """The step's K/V writes and sampled tokens are done (or will never be)."""
         for request, n, k in step.sched.scheduled():
             request.num_inflight_tokens -= n - k
+        for request in step.launched.members:
+            request.num_pending -= 1
 
     def _take_in_flight(self) -> InFlight:
         step, self._in_flight = self._in_flight, None
@@ -439,16 +441,12 @@ class LLMEngine:
             # fill leave the prefix cache.
             for lost in filter(None, (step, self._take_in_flight())):
                 self._landed(lost)
-                for request in lost.launched.members:
-                    request.num_pending -= 1
                 self.kv.forget_uncomputed(lost.uncomputed)
                 self.scheduler.unschedule(lost.sched)
             raise
         t2 = time.perf_counter()
         sched, t0, t1 = step.sched, step.t0, step.t1
         self._landed(step)
-        for request in step.launched.members:
-            request.num_pending -= 1
         self.spec_time["draft"] += t1 - t0
         self.spec_time["verify"] += t2 - t1
         num_tokens, num_drafts = sched.total_tokens, sum(sched.num_drafts)

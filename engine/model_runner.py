@@ -1,8 +1,10 @@
 """Model runner: one flat batch per step over the paged KV cache, then logits and sampling.
 
-Owns the KV tensors. `execute` takes the scheduler's decision, builds the inputs (token ids,
-positions, slot mapping, attention metadata), runs the model, samples the rows that are caught
-up, and returns plain Python results (the one host sync of the step).
+Owns the KV tensors. `launch` takes the scheduler's decision, builds the inputs (token ids,
+positions, slot mapping, attention metadata), runs the model and samples the rows that are
+caught up, all queued on the device; `LaunchedStep.wait()` brings plain Python results back
+(the one host sync of the step), now or, under async scheduling, after the next step is
+launched.
 
 Inputs are built on the host and copied to the model's device; the KV cache and the weights live
 there (CUDA: bf16 by default). Sampling runs where the logits are: greedy requests that nothing
@@ -92,13 +94,11 @@ class StepResult:
 
 class LaunchedStep:
     """A step whose work is queued on the device: `wait()` brings its results to the host.
-    `members`: the requests that sample in it; `sampled`: their tokens on the device (async
-    scheduling), read by the next step's inputs."""
+    `members`: the requests that sample in it."""
 
-    def __init__(self, result: StepResult, members: list[Request], collect, sampled):
+    def __init__(self, result: StepResult, members: list[Request], collect):
         self.result = result
         self.members = members
-        self.sampled: SampledTokens | None = sampled
         self._collect: Callable[[StepResult], None] | None = collect
 
     def wait(self) -> StepResult:
@@ -234,14 +234,12 @@ class ModelRunner:
             token_slots += [slot_of[id(lora)] if lora else 0] * len(item.token_ids)
         return LoRABatch.build(self.lora_slots, token_slots, self.attention_backend)
 
-    def execute(self, sched: SchedulerOutput, tables: dict[Request, list[int]]) -> StepResult:
-        """The target's step: scheduled tokens plus each request's drafts, then verification."""
-        return self.launch(sched, tables).wait()
-
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, tables: dict[Request, list[int]]) -> LaunchedStep:
-        """`execute` without waiting for the device: the step's work queued, its results
-        copied to the host when they are ready; LaunchedStep.wait() collects them."""
+        """The target's step, scheduled tokens plus each request's drafts, then verification,
+        queued without waiting for the device: its results are copied to the host when they
+        are ready, and LaunchedStep.wait() collects them. Its sampled tokens stay on the
+        device too (`sampled`) when kept, for the next step's inputs."""
         self.copy_blocks(sched.block_copies)
         items, verify_rows, row = [], [], 0
         for request, n, k in sched.scheduled():
@@ -262,9 +260,8 @@ class ModelRunner:
         hidden = self.forward(items, tables)
         result = StepResult()
         self._prompt_logprobs(hidden, items, result)
-        members, collect, sampled = self._sample(hidden, verify_rows)
-        self.sampled = sampled
-        return LaunchedStep(result, members, collect, sampled)
+        members, collect, self.sampled = self._sample(hidden, verify_rows)
+        return LaunchedStep(result, members, collect)
 
     def _sample(self, hidden: torch.Tensor, verify_rows):
         """verify_rows: (request, row of its last real token); its drafts' rows follow.
