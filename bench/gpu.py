@@ -347,8 +347,7 @@ def engine_run(
         # waiting for the prefill) and one token to compute. Steps counted as launched: the
         # last call only collects.
         mixed = bool(sched.waiting) or any(
-            r.num_output_tokens == 0 or r.num_tokens - r.num_computed_tokens > 1
-            for r in sched.running
+            r.num_output_tokens == 0 or r.num_uncomputed > 1 for r in sched.running
         )
         outs = engine.step()
         if not mixed:

@@ -80,9 +80,7 @@ def run_tandem(wl: Workload, args) -> tuple[ModeResult, float | None]:
         ts = time.perf_counter()
         # A step is "mixed" when some request has more than one token to compute (prefill).
         sched = eng.scheduler
-        mixed = bool(sched.waiting) or any(
-            r.num_tokens - r.num_computed_tokens > 1 for r in sched.running
-        )
+        mixed = bool(sched.waiting) or any(r.num_uncomputed > 1 for r in sched.running)
         for out in eng.step():
             if out.finished:
                 finals[out.request_id] = out

@@ -158,9 +158,14 @@ class Request(TokenHistory):
         self.error = f"internal error in this request's {where} ({type(exc).__name__})"
 
     @property
+    def num_uncomputed(self) -> int:
+        """Tokens whose K/V is still to compute, those sampled in flight included."""
+        return self.num_tokens + self.num_pending - self.num_computed_tokens
+
+    @property
     def is_decoding(self) -> bool:
         """Every token but the last is computed: next step is a decode (or a verification)."""
-        return self.num_tokens + self.num_pending - self.num_computed_tokens == 1
+        return self.num_uncomputed == 1
 
     @property
     def num_tokens(self) -> int:

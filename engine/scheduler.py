@@ -70,8 +70,7 @@ class Scheduler:
             if request.num_output_tokens + request.num_pending >= request.max_output_tokens:
                 i += 1  # its last token is in flight: it finishes when that comes back
                 continue
-            num_to_compute = request.num_tokens + request.num_pending - request.num_computed_tokens
-            num_new = min(num_to_compute, budget)
+            num_new = min(request.num_uncomputed, budget)
             num_drafts = self._draft_slots(request, num_new, budget)
             if not self._allocate_or_preempt(request, num_new, num_drafts, out):
                 break  # the request preempted itself: nothing after it can run either
