@@ -154,6 +154,8 @@ class LLMEngine:
         )
         self.runner.keep_sampled = self.async_scheduling
         self._in_flight: InFlight | None = None  # a launched step not yet collected
+        # Groups a step() touched before it raised: their outputs come with the next step().
+        self._undelivered: list[RequestGroup] = []
         self.forced_tokens: ForcedTokens | None = None  # e.g. a grammar's forced tokens
         self.adaptive: AdaptiveSpeculation | None = None
         if self.proposer is not None and config.adaptive_speculation:
@@ -347,9 +349,9 @@ class LLMEngine:
                     self.scheduler.finish(r, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        """Requests to run, or a step still in flight (its requests may all have ended: one
-        more step() collects it)."""
-        return bool(self.groups) or self._in_flight is not None
+        """Requests to run, a step still in flight (its requests may all have ended: one
+        more step() collects it), or outputs a failed step() could not return."""
+        return bool(self.groups or self._undelivered) or self._in_flight is not None
 
     # ---- one step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -357,8 +359,20 @@ class LLMEngine:
 
         Under async scheduling a step is launched before the previous one is collected: its
         tokens are appended (and its outputs returned) while the new step runs on the device.
-        A step whose successor needs its tokens on the host is collected before scheduling."""
-        touched: list[RequestGroup] = []
+        A step whose successor needs its tokens on the host is collected before scheduling.
+        If a step() raises after collecting a step, the outputs that one produced (a finished
+        request's only output, with FINAL_ONLY) come with the next step()."""
+        touched, self._undelivered = self._undelivered, []
+        try:
+            self._step(touched)
+        except BaseException:
+            self._undelivered = touched
+            raise
+        groups = list({id(g): g for g in touched}.values())
+        return [out for g in groups if (out := self._make_output(g)) is not None]
+
+    def _step(self, touched: list[RequestGroup]) -> None:
+        """One step's work; the groups it touches go into `touched` as soon as they are."""
         if self._in_flight is not None and not self._in_flight.overlappable:
             touched += self._collect(self._take_in_flight())
         self._plan_speculation()
@@ -374,8 +388,6 @@ class LLMEngine:
             self.num_steps += 1
         elif self._in_flight is not None:  # nothing more to launch: the last step lands
             touched += self._collect(self._take_in_flight())
-        groups = list({id(g): g for g in touched}.values())
-        return [out for g in groups if (out := self._make_output(g)) is not None]
 
     @staticmethod
     def _landed(step: InFlight) -> None:

@@ -12,7 +12,7 @@ import contextlib
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, RequestOutputKind, SamplingParams
 
 STOPS = list(range(100, 150))
 
@@ -215,6 +215,42 @@ def test_a_failed_step_requeues_its_requests(tiny_llama, monkeypatch, where):
         len(f.outputs[0].token_ids) <= p.max_tokens
         for f, p in zip((finals[f"r{i}"] for i in range(len(prompts))), params, strict=True)
     )
+    snap = engine.snapshot()
+    assert snap["num_free_blocks"] == snap["num_blocks"]
+
+
+def test_outputs_collected_before_a_failure_come_with_the_next_step(tiny_llama, monkeypatch):
+    """step() collects the step in flight, then the one it launched (a penalised request's
+    prefill: not overlappable), whose results never land. The first request finished in the
+    collected step and asks only for its final output: it comes with the next step()."""
+    from engine.model_runner import LaunchedStep
+
+    final = RequestOutputKind.FINAL_ONLY
+    first = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, output_kind=final)
+    penalised = SamplingParams(
+        temperature=0, max_tokens=4, ignore_eos=True, presence_penalty=1.0, output_kind=final
+    )
+    want = run(tiny_llama, [[5, 6, 7], [8, 9]], [first, penalised])[0]
+    engine = LLM(str(tiny_llama), num_kv_blocks=64, async_scheduling=True).engine
+    real, failed = LaunchedStep.wait, []
+
+    def wait(self):
+        if any(r.request_id == "b" for r in self.members) and not failed:
+            failed.append(True)
+            raise RuntimeError("injected")
+        return real(self)
+
+    monkeypatch.setattr(LaunchedStep, "wait", wait)
+    engine.add_request("a", [5, 6, 7], first)
+    for _ in range(3):  # a's prefill and two decodes launched, its third token in flight
+        assert engine.step() == []
+    engine.add_request("b", [8, 9], penalised)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()  # collects a's last step (a finishes), then b's fails
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert summary([finals["a"], finals["b"]]) == summary(want)
     snap = engine.snapshot()
     assert snap["num_free_blocks"] == snap["num_blocks"]
 
