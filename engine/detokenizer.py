@@ -14,28 +14,43 @@ from functools import partial
 INITIAL_CONTEXT = 5  # prompt tokens decoded with the first output token (leading spaces)
 
 
-def exact_decoder(tokenizer):
+class ExactDecoder:
     """Exact decoding, never HF's clean_up_tokenization_spaces (as vLLM): that clean-up rewrites
     " ," to "," and " 's" to "'s" over whatever text it is given, so applied to the short windows
     below it loses characters ("a , b" would stream as "a  b"). For a fast tokenizer the Rust
     decode itself: ~2 us per call instead of ~6 us through the wrapper's argument handling,
-    which adds up at large batches."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        return backend.decode
-    return partial(tokenizer.decode, clean_up_tokenization_spaces=False)
+    which adds up at large batches. One token's text alone is remembered (at most one entry per
+    vocabulary id and flag): the detokenizer's window before the newest token is usually one
+    token, and so is every logprob entry."""
+
+    def __init__(self, tokenizer):
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            self._decode = backend.decode
+        else:
+            self._decode = partial(tokenizer.decode, clean_up_tokenization_spaces=False)
+        self._one: tuple[dict[int, str], dict[int, str]] = ({}, {})  # by skip_special_tokens
+
+    def __call__(self, ids: list[int], skip_special_tokens: bool) -> str:
+        if len(ids) != 1:
+            return self._decode(ids, skip_special_tokens=skip_special_tokens)
+        known = self._one[skip_special_tokens]
+        text = known.get(ids[0])
+        if text is None:
+            text = known[ids[0]] = self._decode(ids, skip_special_tokens=skip_special_tokens)
+        return text
 
 
 class IncrementalDetokenizer:
     def __init__(
         self,
-        tokenizer,
+        decode: ExactDecoder,
         prompt_token_ids: list[int],
         skip_special_tokens: bool,
         stop: list[str],
         include_stop_str_in_output: bool,
     ):
-        self.decode = exact_decoder(tokenizer)
+        self.decode = decode
         self.skip_special_tokens = skip_special_tokens
         self.ids = list(prompt_token_ids[-INITIAL_CONTEXT:])
         self.prefix_offset = 0

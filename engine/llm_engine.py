@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from engine.attention import resolve_backend
 from engine.config import MAX_SPECULATIVE_TOKENS, EngineConfig
-from engine.detokenizer import IncrementalDetokenizer, exact_decoder
+from engine.detokenizer import ExactDecoder, IncrementalDetokenizer
 from engine.grammar.constraint import StructuredOutputs
 from engine.introspection import snapshot
 from engine.kv_cache_manager import KVCacheManager
@@ -85,7 +85,7 @@ class LLMEngine:
         torch.set_flush_denormal(True)
         path = resolve_model(config.model)
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
-        self._decode = exact_decoder(self.tokenizer)
+        self._decode = ExactDecoder(self.tokenizer)
         device, dtype = config.torch_device, config.torch_dtype
         model, self.model_config, _ = load_model(path, device=device, dtype=dtype)
         cfg = self.model_config
@@ -227,7 +227,7 @@ class LLMEngine:
         requests[0].siblings = requests[1:]
         detoks = [
             IncrementalDetokenizer(
-                self.tokenizer,
+                self._decode,
                 ids,
                 params.skip_special_tokens,
                 params.stop,
@@ -594,6 +594,7 @@ class LLMEngine:
 
     def _process_samples(self, result: StepResult) -> list[RequestGroup]:
         touched: dict[str, RequestGroup] = {}
+        ended: list[RequestGroup] = []  # groups a completion of which finished this step
         for request, prompt_lps in result.prompt_logprobs.items():
             request.prompt_logprobs.extend(map(self._decode_logprobs, prompt_lps))
         for request, _ in result.sampled:
@@ -618,11 +619,14 @@ class LLMEngine:
                         (request.num_output_tokens, request.step_rejected)
                     )
                 request.token_kinds.append(kind)
-                if self._append(group, request, token, lp) or request.error:
+                if self._append(group, request, token, lp):
+                    ended.append(group)
                     break  # finished: later tokens of a multi-token step are dropped
-        for group in touched.values():
+                if request.error:
+                    break
+        for group in ended:  # a group is done when its last completion is
             if group.finished:
-                del self.groups[group.request_id]
+                self.groups.pop(group.request_id, None)
         return list(touched.values())
 
     def _append(self, group: RequestGroup, request: Request, token: int, logprobs) -> bool:

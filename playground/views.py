@@ -11,7 +11,7 @@ import html
 import time
 from collections import deque
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import ExactDecoder, IncrementalDetokenizer
 
 KIND_STYLE = {  # token kind -> (label, colour)
     "p": ("plain", "transparent"),
@@ -39,7 +39,7 @@ class TokenPieces:
     engine's IncrementalDetokenizer: a short window per token, not the whole output again."""
 
     def __init__(self, tokenizer):
-        self._detok = IncrementalDetokenizer(tokenizer, [], True, [], False)
+        self._detok = IncrementalDetokenizer(ExactDecoder(tokenizer), [], True, [], False)
         self.num_ids = 0
         self.pieces: list[str] = []
 

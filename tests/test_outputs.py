@@ -146,8 +146,8 @@ def test_logprobs_are_decoded_once_per_position(llm, monkeypatch):
     text once, when it is produced (decoding them all again per output was quadratic)."""
     engine = llm.engine
     calls = []
-    decode = engine._decode
-    monkeypatch.setattr(engine, "_decode", lambda ids, **kw: calls.append(ids) or decode(ids, **kw))
+    decode = engine._decode_logprobs
+    monkeypatch.setattr(engine, "_decode_logprobs", lambda raw: calls.extend(raw) or decode(raw))
     p = params(RequestOutputKind.CUMULATIVE, n=1, stop=None, max_tokens=24, ignore_eos=True)
     outs = run(engine, {"c": p})["c"]
     assert len(outs) > 5

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import ExactDecoder, IncrementalDetokenizer
 from models import byte_tokenizer, make_tiny_model
 
 EOS = 256
@@ -204,7 +204,7 @@ def test_incremental_detokenizer_never_splits_a_character(text):
     tok = byte_tokenizer()
     ids = tok.encode(text)
     assert len(ids) == len(text.encode())  # one token per byte: multi-byte chars are split
-    detok = IncrementalDetokenizer(tok, tok.encode("prompt "), True, [], False)
+    detok = IncrementalDetokenizer(ExactDecoder(tok), tok.encode("prompt "), True, [], False)
     deltas = []
     for t in ids:
         before = len(detok.text)
@@ -214,6 +214,24 @@ def test_incremental_detokenizer_never_splits_a_character(text):
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == text == tok.decode(ids)
     assert sum(1 for d in deltas if d) == len(text)  # each char appears once, whole
+
+
+def test_exact_decoder_remembers_single_tokens():
+    """A token's text alone is what the tokenizer decodes for it, with special tokens skipped or
+    kept, and is decoded once; windows of several tokens are always decoded."""
+    tok = byte_tokenizer()
+    decoder, calls = ExactDecoder(tok), []
+    backend = decoder._decode
+    decoder._decode = lambda ids, **kw: calls.append(ids) or backend(ids, **kw)
+    eos = tok.eos_token_id
+    for _ in range(2):
+        for skip in (True, False):
+            for t in range(len(tok)):
+                assert decoder([t], skip) == backend([t], skip_special_tokens=skip)
+    assert decoder([eos], True) == "" and decoder([eos], False) == "<eos>"
+    assert len(calls) == 2 * len(tok)
+    assert decoder([72, 105], True) == decoder([72, 105], True) == backend([72, 105])
+    assert len(calls) == 2 * len(tok) + 2
 
 
 @pytest.mark.parametrize("clean_up", [False, True])
@@ -227,8 +245,8 @@ def test_detokenizer_text_is_the_exact_decoding(clean_up):
     text = "Hello , world ! it 's  ok . I 'm here , don 't ?"
     ids = tok.encode(text)
     assert (tok.decode(ids) != text) == clean_up  # the wrapper's clean-up would change it
-    detok = IncrementalDetokenizer(tok, [], False, [], False)
-    assert detok.decode == tok.backend_tokenizer.decode
+    detok = IncrementalDetokenizer(ExactDecoder(tok), [], False, [], False)
+    assert detok.decode._decode == tok.backend_tokenizer.decode
     for t in ids:
         detok.add_token(t)
     detok.flush()
@@ -238,7 +256,7 @@ def test_detokenizer_text_is_the_exact_decoding(clean_up):
 @pytest.mark.parametrize("include", [False, True])
 def test_incremental_detokenizer_multibyte_stop(include):
     tok = byte_tokenizer()
-    detok = IncrementalDetokenizer(tok, [1], True, ["€😀", "zz"], include)
+    detok = IncrementalDetokenizer(ExactDecoder(tok), [1], True, ["€😀", "zz"], include)
     ids = tok.encode("aé€😀bzz")
     stops = []
     while not any(stops):
@@ -249,7 +267,7 @@ def test_incremental_detokenizer_multibyte_stop(include):
 
 def test_visible_text_holds_back_a_possible_stop_prefix():
     tok = byte_tokenizer()
-    detok = IncrementalDetokenizer(tok, [1], True, ["STOP"], False)
+    detok = IncrementalDetokenizer(ExactDecoder(tok), [1], True, ["STOP"], False)
     shown = []
     for t in tok.encode("hello STOP world"):
         stop = detok.add_token(t)
@@ -263,7 +281,7 @@ def test_visible_text_holds_back_a_possible_stop_prefix():
 
 def test_flush_emits_dangling_bytes_at_finish():
     tok = byte_tokenizer()
-    detok = IncrementalDetokenizer(tok, [1], True, [], False)
+    detok = IncrementalDetokenizer(ExactDecoder(tok), [1], True, [], False)
     for t in tok.encode("ok€")[:-1]:  # the euro sign cut after two of its three bytes
         detok.add_token(t)
     assert detok.text == "ok"
