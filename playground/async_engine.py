@@ -83,11 +83,14 @@ class RequestStream:
         finally:
             self.close()
 
-    async def last(self) -> RequestOutput | None:
-        """Read to the end; the whole finished output (None if none came)."""
+    async def last(self, on_output: Callable[[], object] | None = None) -> RequestOutput | None:
+        """Read to the end; the whole finished output (None if none came). on_output, if
+        given, is called as each output arrives."""
         whole = OutputAccumulator()
         async for out in self:
             whole.add(out)
+            if on_output is not None:
+                on_output()
         return None if whole.empty else whole.take()
 
     async def cumulative(self) -> AsyncIterator[RequestOutput]:

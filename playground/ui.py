@@ -13,7 +13,6 @@ import gradio as gr
 from fastapi import FastAPI
 
 from engine.llm import chat_prompt_ids
-from engine.outputs import OutputAccumulator
 from engine.sampling_params import SamplingParams
 from playground import views
 from playground.server import ServerState
@@ -201,12 +200,7 @@ class Playground:
         stream = None
         try:
             stream = await self.state.engine.add_request(request_id, ids, params, lora_request=lora)
-            whole = OutputAccumulator()
-            async for out in stream:
-                whole.add(out)
-                if started is not None:
-                    started.set()
-            return None if whole.empty else whole.take()
+            return await stream.last(started.set if started is not None else None)
         finally:
             if stream is not None:
                 stream.close()
