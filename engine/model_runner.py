@@ -11,10 +11,10 @@ there (CUDA: bf16 by default). Sampling runs where the logits are: greedy reques
 reshapes (no bias, penalties, bans, grammar or logprobs) take their rows' argmax; the others go
 through grammar masks, the logits pipeline and batched verification (spec.rejection.
 verify_batched; the fused Triton kernel with the Triton backend) in float32, and their logprobs
-are gathered there. Only token ids, acceptance counts and the logprobs asked for come back, in
-one copy that waits for the device once. Random draws come from generators on the logits'
-device: a seeded request reproduces its tokens on one kind of device (CPU and CUDA draw
-differently).
+are gathered there, as are prompt logprobs. Only token ids, acceptance counts and the logprobs
+asked for come back, in one copy that waits for the device once. Random draws come from
+generators on the logits' device: a seeded request reproduces its tokens on one kind of device
+(CPU and CUDA draw differently).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 
 from engine.attention import build_metadata, slot_ids
 from engine.cuda_graphs import GraphRunner
-from engine.device import HostCopy, host_tensor, to_device, to_host
+from engine.device import HostCopy, host_tensor, to_device
 from engine.inputs import ForwardItem, SampledTokens, fill_pending, pending_inputs
 from engine.models.llama import LlamaForCausalLM, ModelConfig
 from engine.request import Request
@@ -258,15 +258,23 @@ class ModelRunner:
             if start + base == request.num_tokens + request.num_pending:
                 verify_rows.append((request, row - 1 - len(drafts)))
         hidden = self.forward(items, tables)
-        result = StepResult()
-        self._prompt_logprobs(hidden, items, result)
-        members, collect, self.sampled = self._sample(hidden, verify_rows)
-        return LaunchedStep(result, members, collect)
+        prompt_copies, finish_prompt = self._prompt_logprobs(hidden, items)
+        members, sample_copies, finish_sample, self.sampled = self._sample(hidden, verify_rows)
+        copy = HostCopy([*sample_copies, *prompt_copies])  # queued behind the step's work
+        split = len(sample_copies)
+
+        def collect(result: StepResult) -> None:
+            copies = copy.wait()  # the step's one wait for the device
+            finish_sample(copies[:split], result)
+            finish_prompt(copies[split:], result)
+
+        return LaunchedStep(StepResult(), members, collect)
 
     def _sample(self, hidden: torch.Tensor, verify_rows):
         """verify_rows: (request, row of its last real token); its drafts' rows follow.
-        Returns the requests that sample, collect(result) that waits for their tokens and
-        records them, and their tokens on the device when kept (keep_sampled)."""
+        Returns the requests that sample, the device tensors their results are read from,
+        finish(host copies of those, result) that records their tokens, and their tokens on
+        the device when kept (keep_sampled)."""
         rows, spans, members = [], [], []
         for request, row in verify_rows:
             drafts = request.spec_token_ids
@@ -289,31 +297,30 @@ class ModelRunner:
                     members.append(sibling)
                     rows.append(row)
         if not rows:
-            return [], None, None
+            return [], [], lambda copies, result: None, None
         # Greedy requests that nothing reshapes need only their rows' argmax; the others' rows
         # go through grammar masks, the logits pipeline and verification.
         is_fast = [argmax_suffices(m) for m in members]
         logits = self.device_logits(hidden, rows)  # [R, V] on the device
         argmax = logits.argmax(dim=-1) if any(is_fast) else None  # [R]
         slow = [i for i, fast in enumerate(is_fast) if not fast]
-        pending, finish = [], None
+        pending, finish_slow = [], None
         if slow:
             slow_rows = [r for i in slow for r in range(spans[i].start, spans[i].end)]
             if len(slow_rows) < len(rows):
                 logits = logits[to_device(host_tensor(slow_rows), self.device)]
-            pending, finish = self._verify(
+            pending, finish_slow = self._verify(
                 logits.float(), [spans[i] for i in slow], [members[i] for i in slow]
             )
         sampled = None
         if self.keep_sampled and not any(span.drafts for span in spans):
             sampled = self._sampled_tokens(members, spans, is_fast, argmax, pending)
-        copy = HostCopy([argmax, *pending])  # queued behind the step's work
 
-        def collect(result: StepResult) -> None:
-            argmax, *copies = copy.wait()  # the step's one wait for the device
+        def finish(copies: list[torch.Tensor | None], result: StepResult) -> None:
+            argmax, *copies = copies
             verdicts: list[VerifyResult | None] = [None] * len(spans)
             if slow:
-                for i, verdict in zip(slow, finish(copies, result), strict=True):
+                for i, verdict in zip(slow, finish_slow(copies, result), strict=True):
                     verdicts[i] = verdict
             if argmax is not None:
                 argmax = argmax.tolist()
@@ -325,7 +332,7 @@ class ModelRunner:
                 if span.drafts:
                     result.num_accepted[member] = verdict.num_accepted
 
-        return members, collect, sampled
+        return members, [argmax, *pending], finish, sampled
 
     def _sampled_tokens(self, members, spans, is_fast, argmax, pending) -> SampledTokens:
         """Every member's one token on the device (no drafts): its row's argmax, or what
@@ -402,9 +409,13 @@ class ModelRunner:
 
         return [pending.tokens, pending.num_accepted, *lp], finish
 
-    def _prompt_logprobs(self, hidden, items: list[ForwardItem], result: StepResult) -> None:
+    def _prompt_logprobs(self, hidden, items: list[ForwardItem]):
+        """The top logprobs of the prompt positions this step computes, for the requests that
+        ask, queued on the device. Returns the tensors to copy to the host and
+        finish(host copies, result), which records them."""
         if all(item.request.params.prompt_logprobs is None for item in items):
-            return
+            return [], lambda copies, result: None
+        tensors, asked = [], []  # asked: (request, its targets, num_top), 4 tensors each
         start_row = 0
         for item in items:
             request, n, start = item.request, len(item.token_ids), item.start
@@ -420,10 +431,17 @@ class ModelRunner:
                     h = hidden[start_row + first - start : start_row + last - start]
                     targets = request.token_ids[first + 1 : last + 1]
                     lp = torch.log_softmax(self.device_logits(h, None).float(), dim=-1)
-                    top = top_logprobs(lp, to_device(host_tensor(targets), self.device), num_top)
-                    chosen, rank, values, ids = (t.tolist() for t in to_host(list(top)))
-                    result.prompt_logprobs[request] = [
-                        logprob_entry(t, chosen[j], rank[j], values[j], ids[j], num_top)
-                        for j, t in enumerate(targets)
-                    ]
+                    emitted = to_device(host_tensor(targets), self.device)
+                    tensors += top_logprobs(lp, emitted, num_top)
+                    asked.append((request, targets, num_top))
             start_row = rows_end
+
+        def finish(copies: list[torch.Tensor], result: StepResult) -> None:
+            for k, (request, targets, num_top) in enumerate(asked):
+                chosen, rank, values, ids = (t.tolist() for t in copies[4 * k : 4 * k + 4])
+                result.prompt_logprobs[request] = [
+                    logprob_entry(t, chosen[j], rank[j], values[j], ids[j], num_top)
+                    for j, t in enumerate(targets)
+                ]
+
+        return tensors, finish

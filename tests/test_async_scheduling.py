@@ -8,6 +8,7 @@ leave every block free."""
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import pytest
 import torch
@@ -369,6 +370,37 @@ def test_static_buffers_read_the_device_tokens(tiny_llama):
     assert summary(got) == summary(want)
 
 
+def test_launch_leaves_every_result_on_the_device(tiny_llama, monkeypatch):
+    """Launching a step queues the copy of its results and never waits for it: sampled tokens,
+    logprobs and prompt logprobs (a chunked prompt, some chunks with and some without) all
+    come back in the one copy that collecting the step waits for."""
+    from engine.device import HostCopy
+    from engine.model_runner import ModelRunner
+
+    prompts, params = workload()
+    params = [replace(p, prompt_logprobs=2) if i % 4 == 1 else p for i, p in enumerate(params)]
+    want, _ = run(tiny_llama, prompts, params, max_num_batched_tokens=7)
+    real_launch, real_wait, launching, waits = ModelRunner.launch, HostCopy.wait, [], []
+
+    def launch(self, *args):
+        launching.append(True)
+        try:
+            return real_launch(self, *args)
+        finally:
+            launching.pop()
+
+    def wait(self):
+        waits.append(bool(launching))
+        return real_wait(self)
+
+    monkeypatch.setattr(ModelRunner, "launch", launch)
+    monkeypatch.setattr(HostCopy, "wait", wait)
+    got, _ = run(tiny_llama, prompts, params, max_num_batched_tokens=7, async_scheduling=True)
+    assert summary(got) == summary(want)
+    assert [o.prompt_logprobs for o in got] == [o.prompt_logprobs for o in want]
+    assert any(o.prompt_logprobs for o in got) and waits and not any(waits)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_async_scheduling_on_cuda(tiny_llama, monkeypatch):
@@ -396,5 +428,7 @@ def test_async_scheduling_on_cuda(tiny_llama, monkeypatch):
     assert summary(got) == summary(want)
     # Unseeded sampled rows (the engine's shared generator) and logprobs launch without
     # waiting too.
-    unseeded = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, logprobs=1)] * 4
+    unseeded = [
+        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, logprobs=1, prompt_logprobs=1)
+    ] * 4
     run(tiny_llama, prompts[:4], unseeded, **kwargs)

@@ -178,22 +178,13 @@ def test_sampling_brings_back_tokens_not_logits(tiny_llama, device, monkeypatch)
     from engine import model_runner
 
     widest = []
-    real_copy, real_to_host = model_runner.HostCopy, model_runner.to_host
 
-    def watch(tensors):
-        widest.extend(t.shape[-1] for t in tensors if t is not None and t.dim() > 1)
-
-    class WatchedCopy(real_copy):
+    class WatchedCopy(model_runner.HostCopy):
         def __init__(self, tensors):
-            watch(tensors)
+            widest.extend(t.shape[-1] for t in tensors if t is not None and t.dim() > 1)
             super().__init__(tensors)
 
-    def watched_to_host(tensors):
-        watch(tensors)
-        return real_to_host(tensors)
-
     monkeypatch.setattr(model_runner, "HostCopy", WatchedCopy)
-    monkeypatch.setattr(model_runner, "to_host", watched_to_host)
     kwargs = dict(device=device, dtype="float32", num_kv_blocks=64)
     plain = LLM(str(tiny_llama), **kwargs)
     first, again = (plain.generate(PROMPTS, SAMPLED, use_tqdm=False) for _ in range(2))
