@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_lora import dot_precision
+
 # Split-KV decode: how many (request, KV head, split) programs to aim for (a few per SM slot of
 # an H100's 132 SMs), the most splits per request, and how many splits the merge reads per
 # iteration ([MERGE_SPLITS, head_dim] fp32 stays in registers).
@@ -73,7 +75,8 @@ def _store_kv_kernel(
         d = tl.arange(0, BLOCK_D)
         inside = d < HEAD_DIM
         src = token * stride_t + head * stride_h + d
-        dst = head * stride_ch + slot * HEAD_DIM + d
+        # int64: a layer's cache can pass 2^31 elements (a shallow model's pool is huge)
+        dst = head.to(tl.int64) * stride_ch + slot.to(tl.int64) * HEAD_DIM + d
         tl.store(k_cache_ptr + dst, tl.load(k_ptr + src, mask=inside), mask=inside)
         tl.store(v_cache_ptr + dst, tl.load(v_ptr + src, mask=inside), mask=inside)
 
@@ -129,17 +132,19 @@ def _attend_block(
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,  # tl.dot's: "ieee" for a float32 cache (no TF32 rounding)
 ):
     """One block of keys into the running softmax: keys past seq_len or after a row's own
-    position are hidden."""
+    position are hidden. `block` is int64: offsets into a layer's cache can pass 2^31."""
     offs = tl.arange(0, BLOCK_SIZE)
     d = tl.arange(0, BLOCK_D)
     k_pos = j * BLOCK_SIZE + offs
-    base = kv_head * stride_ch + (block * BLOCK_SIZE + offs)[:, None] * HEAD_DIM + d[None, :]
+    base = kv_head.to(tl.int64) * stride_ch + (block * BLOCK_SIZE + offs)[:, None] * HEAD_DIM
+    base += d[None, :]
     kv_mask = (k_pos < seq_len)[:, None] & (d < HEAD_DIM)[None, :]
     k = tl.load(k_cache_ptr + base, mask=kv_mask, other=0.0).to(tl.float32)
     v = tl.load(v_cache_ptr + base, mask=kv_mask, other=0.0).to(tl.float32)
-    scores = tl.dot(q, tl.trans(k)) * scale  # [ROWS, BLOCK_SIZE]
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [ROWS, BLOCK_SIZE]
     visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < seq_len)
     scores = tl.where(visible, scores, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(scores, axis=1))
@@ -148,7 +153,7 @@ def _attend_block(
     correction = tl.exp(row_max - safe_max)
     p = tl.exp(scores - safe_max[:, None])
     row_sum = row_sum * correction + tl.sum(p, axis=1)
-    acc = acc * correction[:, None] + tl.dot(p, v)
+    acc = acc * correction[:, None] + tl.dot(p, v, input_precision=PRECISION)
     return new_max, row_sum, acc
 
 
@@ -169,6 +174,7 @@ def _attend_blocks(
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """The online softmax over a run of the request's blocks: (row max, row sum, unnormalised
     output [ROWS, BLOCK_D]); a row that saw no key has sum 0."""
@@ -176,7 +182,7 @@ def _attend_blocks(
     row_sum = tl.full([ROWS], 0.0, tl.float32)
     acc = tl.full([ROWS, BLOCK_D], 0.0, tl.float32)
     for j in range(first, last):
-        block = tl.load(table_ptr + j)
+        block = tl.load(table_ptr + j).to(tl.int64)
         row_max, row_sum, acc = _attend_block(
             q,
             q_pos,
@@ -194,6 +200,7 @@ def _attend_blocks(
             BLOCK_SIZE,
             HEAD_DIM,
             BLOCK_D,
+            PRECISION,
         )
     return row_max, row_sum, acc
 
@@ -218,6 +225,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,  # query tokens per program
+    PRECISION: tl.constexpr,
 ):
     """One program per (request, tile of BLOCK_M query tokens, KV head): its rows are every
     (token, query head of the group) pair, so each block of K/V is read once for the whole
@@ -257,6 +265,7 @@ def _paged_attention_kernel(
             BLOCK_SIZE,
             HEAD_DIM,
             BLOCK_D,
+            PRECISION,
         )
         out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
         tl.store(out_ptr + offsets + d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -307,6 +316,7 @@ def paged_attention(
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_M=block_m,
+        PRECISION=dot_precision(k_cache.dtype),
     )
     return out
 
@@ -348,6 +358,7 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -384,6 +395,7 @@ def _decode_split_kernel(
             BLOCK_SIZE,
             HEAD_DIM,
             BLOCK_D,
+            PRECISION,
         )
         # Every key of a live split is visible to the decode query: row_sum > 0.
         row = (req * tl.num_programs(1) * GROUP + heads) * num_splits + split
@@ -497,6 +509,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
+        PRECISION=dot_precision(k_cache.dtype),
     )
     _decode_merge_kernel[(num_reqs * num_heads,)](
         part_out,

@@ -143,8 +143,10 @@ def _lora_expand_kernel(
         tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _precision(dtype: torch.dtype) -> str:
-    # fp32 stays fp32 (no TF32 rounding): the torch path is the oracle; bf16/fp16 are exact inputs.
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input_precision for operands stored in dtype: float32 stays float32 (Triton's
+    default on NVIDIA rounds it to TF32's 10-bit mantissa; the torch path is the oracle);
+    bf16/fp16 values are exact in TF32."""
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
@@ -185,7 +187,7 @@ def lora_shrink(
         BLOCK_M=BLOCK_M,
         BLOCK_K=64,
         BLOCK_R=max(16, triton.next_power_of_2(rank)),
-        PRECISION=_precision(x.dtype),
+        PRECISION=dot_precision(x.dtype),
     )
     return out
 
@@ -238,5 +240,5 @@ def lora_expand(
         BLOCK_M=BLOCK_M,
         BLOCK_N=block_n,
         BLOCK_R=max(16, triton.next_power_of_2(shrunk.shape[1])),
-        PRECISION=_precision(y.dtype),
+        PRECISION=dot_precision(y.dtype),
     )
