@@ -87,6 +87,9 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
         self._decode = ExactDecoder(self.tokenizer)
         device, dtype = config.torch_device, config.torch_dtype
+        if device.type == "cuda" and device.index is not None:
+            # Triton launches and CUDA graphs act on the current device, not the tensors'.
+            torch.cuda.set_device(device)
         model, self.model_config, _ = load_model(path, device=device, dtype=dtype)
         cfg = self.model_config
         self.max_model_len = min(
