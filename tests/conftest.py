@@ -5,18 +5,31 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-
-if not torch.cuda.is_available():
-    # Triton kernels run in its interpreter on CPU. It must be set before anything imports
-    # triton (xgrammar does): triton's own library functions are built at import time.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).parent))
-torch.set_num_threads(1)
-torch.set_flush_denormal(True)
 
-from models import make_tiny_model  # noqa: E402
+
+def pytest_configure(config):
+    """The default run is the CPU suite on every machine: where a GPU is present but the run
+    does not select the `gpu` tests (`pytest -m gpu`), CUDA is hidden before anything starts
+    it, so engines with device "auto" run on CPU in float32 as everywhere else, and the Triton
+    kernels in Triton's interpreter. That must be set before anything imports triton (xgrammar
+    does): triton's own library functions are built at import time."""
+    expr = config.getoption("markexpr") or ""
+    if "gpu" not in expr.replace("not gpu", ""):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+
+
+def make_tiny_model(*args, **kwargs) -> Path:
+    from models import make_tiny_model as make  # after pytest_configure: imports transformers
+
+    return make(*args, **kwargs)
 
 
 @pytest.fixture(scope="session")
