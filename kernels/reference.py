@@ -176,14 +176,18 @@ def rejection_verify(
     num_rows, device = probs.shape[0], probs.device
     num_reqs = cu_rows.numel() - 1
     num_drafts = cu_rows.diff() - 1  # [B]
-    request = torch.repeat_interleave(torch.arange(num_reqs, device=device), num_drafts + 1)
+    # No step here waits for the device (on CUDA this is the torch backend's verification,
+    # queued inside the step's launch): output sizes are given, masks are applied by where.
+    request = torch.repeat_interleave(
+        torch.arange(num_reqs, device=device), num_drafts + 1, output_size=num_rows
+    )
     pos = torch.arange(num_rows, device=device) - cu_rows[request]  # [R] j within the request
     is_last = pos == num_drafts[request]
     greedy_row = is_greedy[request]
     q_row = has_q[request] & ~greedy_row
     residual_row = q_row & ~is_last
     weights = probs
-    if draft_probs is not None and bool(residual_row.any()):
+    if draft_probs is not None:
         residual = (probs - draft_probs).clamp(min=0.0)
         use = residual_row & (residual > 0).any(dim=-1)
         weights = torch.where(use[:, None], residual, probs)
@@ -202,5 +206,4 @@ def rejection_verify(
     tokens = torch.full((num_reqs, max_rows), -1, dtype=torch.int64, device=device)
     tokens[request, pos] = torch.where(pos < num_accepted[request], drafts, candidate)
     cols = torch.arange(max_rows, device=device)[None, :]
-    tokens[cols > num_accepted[:, None]] = -1
-    return tokens, num_accepted
+    return tokens.masked_fill(cols > num_accepted[:, None], -1), num_accepted
