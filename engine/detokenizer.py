@@ -106,6 +106,3 @@ class IncrementalDetokenizer:
             return len(self.text)
         self.num_visible = max(self.num_visible, len(self.text) - self.hold_back)
         return self.num_visible
-
-    def visible_text(self, finished: bool) -> str:
-        return self.text[: self.visible_len(finished)]
