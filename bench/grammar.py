@@ -299,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# grammar bench: {MODEL}, fp32, torch threads=1, torch {torch.__version__}")
     batches = [int(b) for b in args.batches.split(",")]
     llms = {
-        m: LLM(MODEL, num_threads=1, enable_prefix_caching=False, **kw) for m, kw in MODES.items()
+        m: LLM(MODEL, quantization=None, num_threads=1, enable_prefix_caching=False, **kw)
+        for m, kw in MODES.items()
     }
     results = [bench_batch(llms, b, args.max_tokens, args.repeats) for b in batches]
     overheads, speedups, share = report(results)

@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     paths = make_adapters(base_dir, root, max(counts), rank=8)
     llm = LLM(
         MODEL,
+        quantization=None,
         num_threads=1,
         enable_lora=True,
         max_loras=max(counts),

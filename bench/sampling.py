@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     from engine import LLM, sampler
     from engine.models.registry import resolve_model
 
-    llm = LLM(MODEL, num_threads=1, max_num_seqs=args.requests)
+    llm = LLM(MODEL, quantization=None, num_threads=1, max_num_seqs=args.requests)
     prompts = [
         llm.apply_chat_template([{"role": "user", "content": TOPICS[i % len(TOPICS)]}])
         for i in range(args.requests)

@@ -67,7 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     # No prefix caching anywhere: repeats must not find the previous run's prompts cached.
-    engine_args = dict(num_threads=1, kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False)
+    engine_args = dict(
+        num_threads=1,
+        kv_cache_memory_bytes=1 << 30,
+        enable_prefix_caching=False,
+        quantization=None,
+    )
 
     # ---- offline: the engine with no HTTP in front ----
     llm = LLM(MODEL, **engine_args)
@@ -83,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     command = [sys.executable, "-m", "engine.cli", "serve", "--model", MODEL, "--port", str(port)]
     command += ["--threads", "1", "--kv-cache-memory-bytes", str(1 << 30), "--no-prefix-caching"]
+    command += ["--quantization", "none"]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     _wait_healthy(url, server)

@@ -47,7 +47,7 @@ def registered_after_step():
 
 
 def run_tandem(wl: Workload, caching: bool, patch) -> tuple[float, int, list[list[int]]]:
-    llm = LLM(MODEL, enable_prefix_caching=caching, num_threads=1)
+    llm = LLM(MODEL, quantization=None, enable_prefix_caching=caching, num_threads=1)
     params = SamplingParams(temperature=0, max_tokens=wl.out_lens[0], ignore_eos=True)
     llm.generate([[1, 2, 3]], params, use_tqdm=False)  # warm-up
     computed = []

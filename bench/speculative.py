@@ -103,7 +103,7 @@ def compare_latency(name, make_llm, texts, params, spec_args, k) -> dict:
     out = {}
     want = None
     for mode, args in spec_modes(spec_args, k).items():
-        llm = LLM(name, **make_llm, **args)
+        llm = LLM(name, quantization=None, **make_llm, **args)
         prompts = chat_prompts(llm, texts)
         latency(llm, prompts[:1], params)  # warm-up (and the adaptive planner's first fits)
         llm.engine.spec_stats.__init__()  # count the timed runs only
@@ -154,7 +154,7 @@ def sweep(batches, k, max_tokens, repeats, workload) -> dict[int, dict[str, floa
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     llms = {
-        mode: LLM(SMOLLM, kv_cache_memory_bytes=1 << 30, **args)
+        mode: LLM(SMOLLM, quantization=None, kv_cache_memory_bytes=1 << 30, **args)
         for mode, args in spec_modes({"speculative_method": "ngram"}, k).items()
     }
     results = {}

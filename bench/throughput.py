@@ -48,6 +48,7 @@ def run_tandem(wl: Workload, args) -> tuple[ModeResult, float | None]:
     res = ModeResult("tandem")
     llm = LLM(
         MODEL,
+        quantization=None,  # the exact weights, token for token against HF's
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=False,

@@ -14,6 +14,9 @@ DTYPES = {
     "float16": torch.float16,
 }
 
+QUANTIZATIONS = (None, "auto", "int4", "int8")
+DRAFT_QUANTIZATIONS = (*QUANTIZATIONS, "dynamic-int8")
+
 # Drafts per request per step; verification rows are attended in the batched short-query path.
 MAX_SPECULATIVE_TOKENS = 15
 
@@ -33,6 +36,10 @@ class EngineConfig:
     # "bfloat16" or "float16".
     device: str = "auto"
     dtype: str = "auto"
+    # Weights: "auto" (a GGUF model, as every embedded one, runs its own quantized blocks on
+    # CPU: engine.models.int4; elsewhere dense), None (dense in dtype: the exact reference the
+    # HF-parity tests use), "int4" / "int8" (weight-only, quantized from a dense checkpoint).
+    quantization: str | None = "auto"
     num_kv_blocks: int | None = None  # exact pool size, overrides the byte budget (tests)
     enable_prefix_caching: bool = True
     # Paged attention: "torch" (the reference, the CPU path), "triton" (kernels/, on CUDA or
@@ -56,8 +63,13 @@ class EngineConfig:
     # adaptive_speculation: num_speculative_tokens becomes a cap, and each step every request
     # without its own k gets the k that maximises the expected tokens per second (spec.adaptive).
     speculative_method: str | None = None
-    draft_model: str | None = None  # embedded name or a local HF directory
-    draft_quantization: str | None = "int8"  # the draft's weights (CPU): "int8" or None (fp32)
+    # An embedded name, a local HF directory, or "self": the target's own weights quantized
+    # (draft_quantization) draft for the target in its exact dtype.
+    draft_model: str | None = None
+    # The draft's weights: "auto" (a GGUF draft's own blocks; "self": the target's GGUF, else
+    # int4), "int4", "int8" (engine.models.int4), "dynamic-int8" (per-channel int8 weights,
+    # activations quantized per call; CPU float32: engine.models.quant) or None (dense).
+    draft_quantization: str | None = "auto"
     num_speculative_tokens: int = 4
     adaptive_speculation: bool = True
     ngram_min: int = 2
@@ -93,9 +105,19 @@ class EngineConfig:
             )
         if self.speculative_method == "draft" and not self.draft_model:
             raise ValueError("speculative_method='draft' needs draft_model")
-        if self.draft_quantization not in (None, "int8"):
+        if self.quantization not in QUANTIZATIONS:
             raise ValueError(
-                f"draft_quantization must be 'int8' or None, got {self.draft_quantization!r}"
+                f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
+        if self.draft_quantization not in DRAFT_QUANTIZATIONS:
+            raise ValueError(
+                f"draft_quantization must be one of {DRAFT_QUANTIZATIONS}, "
+                f"got {self.draft_quantization!r}"
+            )
+        if self.draft_model == "self" and self.quantization not in ("auto", None):
+            raise ValueError(
+                "draft_model='self' drafts with quantized weights for the target in its exact "
+                f"dtype: quantization must be 'auto' or None, got {self.quantization!r}"
             )
         if self.draft_model and self.speculative_method == "ngram":
             raise ValueError("draft_model is set but speculative_method is 'ngram'")

@@ -17,7 +17,7 @@ from engine.grammar.constraint import StructuredOutputs
 from engine.introspection import snapshot
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import LaunchedStep, ModelRunner, StepResult, kv_bytes_per_block
-from engine.models.loader import load_model, read_generation_eos
+from engine.models.loader import draft_load_args, load_model, read_generation_eos
 from engine.models.registry import resolve_model
 from engine.outputs import (
     NOTHING_SENT,
@@ -90,7 +90,11 @@ class LLMEngine:
         if device.type == "cuda" and device.index is not None:
             # Triton launches and CUDA graphs act on the current device, not the tensors'.
             torch.cuda.set_device(device)
-        model, self.model_config, _ = load_model(path, device=device, dtype=dtype)
+        self_draft = config.draft_model == "self"  # the exact target drafts for itself
+        quantization = None if self_draft else config.quantization
+        model, self.model_config, _ = load_model(
+            path, device=device, dtype=dtype, quantization=quantization
+        )
         cfg = self.model_config
         self.max_model_len = min(
             config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
@@ -101,11 +105,12 @@ class LLMEngine:
         self.vocab_size = cfg.vocab_size
         draft = None
         if config.spec_method == "draft":
+            draft_path = path if self_draft else resolve_model(config.draft_model)
             draft_model, draft_cfg, _ = load_model(
-                resolve_model(config.draft_model),
-                int8=config.draft_quantization == "int8",  # CPU float32 only
+                draft_path,
                 device=device,
                 dtype=dtype,
+                **draft_load_args(config.draft_quantization, draft_path, device),
             )
             if draft_cfg.vocab_size != cfg.vocab_size:
                 raise ValueError(
@@ -200,6 +205,8 @@ class LLMEngine:
         params.check_vocab(self.vocab_size)
         compiled = self.compile_constraint(params.structured_outputs)
         adapter = self.load_lora(lora_request) if lora_request is not None else None
+        if draft_lora_request is None and self.config.draft_model == "self":
+            draft_lora_request = lora_request  # the quantized copy drafts with the same adapter
         draft_adapter = None
         if draft_lora_request is not None:
             draft_adapter = self.load_lora(draft_lora_request, for_draft=True)

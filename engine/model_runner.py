@@ -124,7 +124,7 @@ class ModelRunner:
         self.cfg = cfg
         self.block_size = block_size
         self.attention_backend = attention_backend  # "torch" (reference) or "triton"
-        weight = model.embed_tokens.weight  # (packed CPU projections keep no dense weight)
+        weight = model.norm.weight  # (packed or quantized layers keep no dense weight)
         self.device, self.dtype = weight.device, weight.dtype
         # [num_layers, 2 (K, V), Hkv, num_blocks, block_size, D]
         self.kv_caches = torch.zeros(

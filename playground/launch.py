@@ -31,7 +31,13 @@ def add_server_args(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument(
         "--api-key", default=os.environ.get("TANDEM_API_KEY"), help="or $TANDEM_API_KEY"
     )
-    parser.add_argument("--draft-model", default=None)
+    parser.add_argument(
+        "--quantization",
+        choices=["auto", "none", "int4", "int8"],
+        default="auto",
+        help="auto: a GGUF model runs its own quantized blocks on CPU; none: dense, exact",
+    )
+    parser.add_argument("--draft-model", default=None, help='a model, or "self"')
     parser.add_argument("--speculative-method", choices=["ngram", "draft"], default=None)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--no-adaptive-speculation", action="store_true")
@@ -75,6 +81,7 @@ def build_state(args: argparse.Namespace, adapters: dict[str, LoRARequest]) -> S
 
     config = EngineConfig(
         model=args.model,
+        quantization=None if args.quantization == "none" else args.quantization,
         draft_model=args.draft_model,
         speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens,

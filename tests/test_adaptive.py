@@ -11,6 +11,8 @@ import pytest
 from engine import LLM, SamplingParams
 from spec.adaptive import Acceptance, AdaptiveSpeculation, Candidate, LinearCost
 
+SMOL = "smollm2-135m-instruct"  # the exact weights where tokens are compared
+
 
 # ---- cost fit -------------------------------------------------------------------------------
 def test_linear_cost_recovers_fixed_and_per_row_cost():
@@ -222,12 +224,12 @@ def test_adaptive_keeps_free_drafts_that_land():
         "Blocks are allocated from a free pool on demand, and full blocks are hashed so that "
         "requests with a common prefix share them."
     )
-    llm = LLM("smollm2-135m-instruct", speculative_method="ngram", num_kv_blocks=64)
+    llm = LLM(SMOL, quantization=None, speculative_method="ngram", num_kv_blocks=64)
     chat = [{"role": "user", "content": f"Repeat this sentence exactly:\n\n{passage}"}]
     prompt = llm.apply_chat_template(chat)
     params = SamplingParams(temperature=0, max_tokens=32)
     out = generate(llm, [prompt], params)
-    plain = LLM("smollm2-135m-instruct", num_kv_blocks=64)
+    plain = LLM(SMOL, quantization=None, num_kv_blocks=64)
     assert out == generate(plain, [prompt], params)
     stats = llm.engine.spec_stats
     assert stats.acceptance_rate > 0.5 and stats.mean_accepted_length > 2.5
@@ -259,7 +261,7 @@ def test_draft_lags_while_off_and_prefix_hits_know_its_kv(tiny_llama):
 def test_seeded_sampling_unchanged_by_adaptive_speculation():
     """k now depends on timing and load, and still a seeded request's tokens do not: they are
     the tokens plain sampling gives (SmolLM2 copying its prompt, so drafts land)."""
-    llm = LLM("smollm2-135m-instruct", speculative_method="ngram", num_kv_blocks=128)
+    llm = LLM(SMOL, quantization=None, speculative_method="ngram", num_kv_blocks=128)
     texts = [
         "Repeat exactly: the quick brown fox jumps over the lazy dog, twice over.",
         "Copy this list: apples, pears, plums, cherries, grapes, figs, dates.",
@@ -267,7 +269,7 @@ def test_seeded_sampling_unchanged_by_adaptive_speculation():
     ]
     prompts = [llm.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
     ps = [SamplingParams(temperature=0.8, top_p=0.95, seed=7 + i, max_tokens=24) for i in range(3)]
-    want = generate(LLM("smollm2-135m-instruct", num_kv_blocks=128), prompts, ps)
+    want = generate(LLM(SMOL, quantization=None, num_kv_blocks=128), prompts, ps)
     assert generate(llm, prompts, ps) == want
     assert llm.engine.spec_stats.num_accepted > 0
 
@@ -294,7 +296,9 @@ def test_int8_self_draft_on_real_weights_is_lossless_and_mostly_accepted():
     token, and the quantized copy still agrees with the fp32 model on most drafts."""
     llm = LLM(
         "smollm2-135m-instruct",
+        quantization=None,
         draft_model="smollm2-135m-instruct",
+        draft_quantization="dynamic-int8",
         num_kv_blocks=64,
         adaptive_speculation=False,
     )
@@ -302,6 +306,6 @@ def test_int8_self_draft_on_real_weights_is_lossless_and_mostly_accepted():
     chat = [{"role": "user", "content": "Explain what a hash table is in two sentences."}]
     prompt = llm.apply_chat_template(chat)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    plain = LLM("smollm2-135m-instruct", num_kv_blocks=64)
+    plain = LLM("smollm2-135m-instruct", quantization=None, num_kv_blocks=64)
     assert generate(llm, [prompt], params) == generate(plain, [prompt], params)
     assert 0.5 < llm.engine.spec_stats.acceptance_rate < 1.0  # 0.71-0.75 here (AVX-512 VNNI)

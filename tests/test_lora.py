@@ -297,12 +297,13 @@ def lora_requests(adapters, names) -> list[LoRARequest | None]:
 
 
 def spec_llm(tiny_llama, method: str) -> LLM:
-    """Fixed k = 3; 'self': the target as its own fp32 draft model."""
-    spec = (
-        {"speculative_method": "ngram"}
-        if method == "ngram"
-        else {"draft_model": str(tiny_llama), "draft_quantization": None}
-    )
+    """Fixed k = 3; 'self': the target as its own fp32 draft model; 'quantized-self': its own
+    weights in int8 draft for it (draft_model="self"), with each request's adapter."""
+    spec = {
+        "ngram": {"speculative_method": "ngram"},
+        "self": {"draft_model": str(tiny_llama), "draft_quantization": None},
+        "quantized-self": {"draft_model": "self", "draft_quantization": "int8"},
+    }[method]
     return LLM(
         str(tiny_llama),
         num_kv_blocks=256,
@@ -313,11 +314,12 @@ def spec_llm(tiny_llama, method: str) -> LLM:
     )
 
 
-@pytest.mark.parametrize("method", ["ngram", "self"])
+@pytest.mark.parametrize("method", ["ngram", "self", "quantized-self"])
 def test_speculation_with_adapters_equals_peft(tiny_llama, adapters, hf_reference, method):
     """Greedy output with speculation equals PEFT's, per adapter. With the target as its own
     draft model and the request's adapter as the draft adapter every draft is accepted; the
-    statistics are kept per adapter."""
+    statistics are kept per adapter. A quantized self-draft applies the request's adapter on
+    its int8 weights by itself and is accepted most of the time."""
     llm = spec_llm(tiny_llama, method)
     names = mixed_batch(adapters)
     loras = lora_requests(adapters, names)
@@ -330,6 +332,13 @@ def test_speculation_with_adapters_equals_peft(tiny_llama, adapters, hf_referenc
         assert out.outputs[0].token_ids == hf_reference[name][i], (i, name)
     by_adapter = llm.engine.snapshot()["speculation"]["by_adapter"]
     assert set(by_adapter) <= set(ADAPTERS) and sum(s["num_drafts"] for s in by_adapter.values())
+    if method == "quantized-self":
+        layer = llm.engine.draft_runner.model.layers[0]
+        assert layer.qkv_proj.quantized is not None and layer.qkv_proj.quantized.num_halves == 2
+        assert llm.engine.runner.model.layers[0].qkv_proj.quantized is None
+        assert set(by_adapter) == set(ADAPTERS)
+        # 0.74-1.0 per adapter here; a draft without the request's adapter accepts ~0
+        assert all(s["num_accepted"] > 0.6 * s["num_drafts"] > 0 for s in by_adapter.values())
     if method == "self":
         assert set(by_adapter) == set(ADAPTERS)
         assert all(
@@ -444,7 +453,7 @@ def test_smollm2_mixed_adapters_equal_peft(tmp_path):
         name: make_adapter(base, tmp_path / name, 10 + i, rank, targets, dict(extra))
         for i, (name, (rank, targets, extra)) in enumerate(ADAPTERS.items())
     }
-    llm = LLM("smollm2-135m-instruct", num_kv_blocks=128, enable_lora=True)
+    llm = LLM("smollm2-135m-instruct", quantization=None, num_kv_blocks=128, enable_lora=True)
     texts = [
         "The capital of France is",
         "def fibonacci(n):",

@@ -53,7 +53,7 @@ def test_qwen2_untied_bias_loaded(tiny_qwen2):
 
 
 def test_smollm2_parity_real_prompts():
-    llm = LLM("smollm2-135m-instruct", num_kv_blocks=256)
+    llm = LLM("smollm2-135m-instruct", quantization=None, num_kv_blocks=256)
     hf = AutoModelForCausalLM.from_pretrained(_smollm2_dir(), dtype=torch.float32)
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
     prompts = [llm.tokenizer.encode(t) for t in texts]

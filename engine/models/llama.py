@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
+from engine.models.int4 import Int4Linear, QuantizedEmbedding, QuantizedWeight
 from engine.models.quant import linear_int8, pack_int8
 
 if TYPE_CHECKING:
@@ -126,6 +127,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.packed: torch.Tensor | None = None  # oneDNN opaque tensor once packed
         self.int8: torch.Tensor | None = None  # int8 packed parameters (draft models)
+        self.quantized: Int4Linear | None = None  # weight-only quantized (engine.models.int4)
 
     def pack(self) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
@@ -135,7 +137,14 @@ class Linear(nn.Module):
         self.int8 = pack_int8(self.weight, self.bias)
         self.weight = self.bias = None
 
+    def set_quantized(self, weight: QuantizedWeight, device, dtype: torch.dtype) -> None:
+        bias = None if self.bias is None else self.bias.detach()
+        self.quantized = Int4Linear(weight, bias, device, dtype)
+        self.weight = self.bias = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized(x)
         if self.int8 is not None:
             return linear_int8(x, self.int8)
         if self.packed is not None:
@@ -215,7 +224,12 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, inv_freq: torch.Tensor, rope_scaling: float, max_len: int):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # _weight: no random init (the loader overwrites it or drops it for a quantized copy)
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
+        self.embed_quantized: QuantizedEmbedding | None = None
+        self.lm_head_quantized: Int4Linear | None = None
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # [vocab, hidden], shared with the embedding when tied; F.linear reads it as is.
@@ -240,7 +254,10 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         lora: LoRABatch | None = None,
     ) -> torch.Tensor:  # [N, hidden]
-        x = self.embed_tokens(input_ids)
+        if self.embed_quantized is not None:
+            x = self.embed_quantized(input_ids)
+        else:
+            x = self.embed_tokens(input_ids)
         cos = self.cos_cache[positions].unsqueeze(1)
         sin = self.sin_cache[positions].unsqueeze(1)
         for i, layer in enumerate(self.layers):
@@ -269,7 +286,33 @@ class LlamaForCausalLM(nn.Module):
                 layer.down_proj.pack()
         self.lm_head_int8 = pack_int8(self.lm_head_weight, None)
 
+    def set_quantized_embeddings(
+        self, embed: QuantizedWeight, lm_head: QuantizedWeight, device, dtype: torch.dtype
+    ) -> None:
+        """Quantized token embedding and LM head (the same weight when tied): the dense
+        tensors are dropped."""
+        self.embed_quantized = QuantizedEmbedding(embed, device, dtype)
+        self.lm_head_quantized = Int4Linear(lm_head, None, device, dtype)
+        self.embed_tokens.weight = None
+        self.lm_head_weight = None
+
+    def quantize(self, bits: int) -> None:
+        """Weight-only quantization of a dense checkpoint: every projection to `bits` (4 or 8)
+        per 32 input values; the embedding and LM head to 8 bits (their precision moves the
+        logits most, as llama.cpp keeps its output tensor wider)."""
+        device, dtype = self.norm.weight.device, self.norm.weight.dtype
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.set_quantized(QuantizedWeight.quantize(module.weight, bits), device, dtype)
+        embed = QuantizedWeight.quantize(self.embed_tokens.weight, 8)
+        head = embed
+        if not self.config.tie_word_embeddings:
+            head = QuantizedWeight.quantize(self.lm_head_weight, 8)
+        self.set_quantized_embeddings(embed, head, device, dtype)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, vocab]
+        if self.lm_head_quantized is not None:
+            return self.lm_head_quantized(hidden)
         if self.lm_head_int8 is not None:
             return linear_int8(hidden, self.lm_head_int8)
         if self.lm_head_packed is not None and hidden.shape[0] > 1:

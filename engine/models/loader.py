@@ -9,8 +9,11 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
+from engine.models.gguf_loader import load_gguf_weights
 from engine.models.llama import LlamaForCausalLM, ModelConfig, onednn_linear_available
 from engine.models.quant import int8_linear_available
+
+QUANTIZATIONS = (None, "auto", "int4", "int8")
 
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
 
@@ -85,6 +88,35 @@ def _fused_state(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, tor
     return out
 
 
+def gguf_file(path: str | Path) -> Path | None:
+    """The GGUF a model directory holds next to its config (embedded models keep theirs)."""
+    files = sorted(Path(path).glob("*.gguf"))
+    return files[0] if files else None
+
+
+def resolve_quantization(quantization: str | None, path: Path, device: torch.device) -> str | None:
+    """What `quantization` means for this model on this device: "gguf" (the file's own
+    blocks), "int4" / "int8" (weight-only, quantized from the dense checkpoint) or None.
+    "auto" is "gguf" for a directory with a GGUF file on CPU, else None: on CUDA the dense
+    weights in the model's dtype (the same values as the GGUF's blocks, dequantized) until a
+    GPU measures a quantized kernel."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    if quantization != "auto":
+        return quantization
+    return "gguf" if device.type == "cpu" and gguf_file(path) is not None else None
+
+
+def draft_load_args(draft_quantization: str | None, path: Path, device: torch.device) -> dict:
+    """load_model's arguments for a draft model: "auto" runs a GGUF draft's own blocks and
+    otherwise the dynamic int8 projections (CPU float32; dense elsewhere)."""
+    if draft_quantization == "auto":
+        draft_quantization = resolve_quantization("auto", path, device) or "dynamic-int8"
+    if draft_quantization == "dynamic-int8":
+        return {"quantization": None, "int8": True}
+    return {"quantization": draft_quantization}
+
+
 def load_model(
     path: str | Path,
     max_len: int | None = None,
@@ -92,21 +124,33 @@ def load_model(
     int8: bool = False,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    quantization: str | None = None,
 ):
     """Returns (model, ModelConfig, hf_config). max_len bounds the RoPE table.
 
-    pack_weights: on CPU, hand the linear layers' weights to oneDNN's blocked layout (see
-    `Linear.pack`); False keeps plain dense weights. int8: int8 projections and LM head instead
-    (lossy: for draft models only, see engine.models.quant), where the backend supports it.
-    Both are CPU float32 layouts: elsewhere (CUDA, bf16) the weights stay dense, in dtype.
+    quantization: None (dense weights in dtype, the exact reference), "auto", "gguf", "int4" or
+    "int8" (see resolve_quantization and engine.models.int4). pack_weights: on CPU, hand dense
+    linear weights to oneDNN's blocked layout (see `Linear.pack`); False keeps plain dense
+    weights. int8: the draft models' int8 projections and LM head instead (lossy, see
+    engine.models.quant), where the backend supports it. Both are CPU float32 layouts.
     """
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ValueError(f"model directory {str(path)!r} has no config.json")
+    device = torch.device(device)
+    if quantization != "gguf":
+        quantization = resolve_quantization(quantization, path, device)
     hf_config = AutoConfig.from_pretrained(str(path))
     cfg = ModelConfig.from_hf(hf_config)
     inv_freq, scaling = rope_parameters(hf_config)
     model = LlamaForCausalLM(cfg, inv_freq, scaling, max_len or cfg.max_position_embeddings)
+    model.eval().requires_grad_(False)
+    if quantization == "gguf":
+        source = gguf_file(path)
+        if source is None:
+            raise ValueError(f"model directory {str(path)!r} has no GGUF file")
+        load_gguf_weights(model, source, device, dtype)
+        return model.to(device=device, dtype=dtype), cfg, hf_config
     state = _fused_state(cfg, _load_state(path))
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head_weight")]
@@ -114,15 +158,16 @@ def load_model(
         raise ValueError(
             f"weights do not match the model: missing={missing} unexpected={unexpected}"
         )
-    model.eval().requires_grad_(False)
-    device = torch.device(device)
     if device.type != "cpu" or dtype != torch.float32:
         # The RoPE tables go to dtype too, as HF casts cos/sin to the activations' dtype.
-        return model.to(device=device, dtype=dtype), cfg, hf_config
-    if int8 and int8_linear_available():
-        model.quantize_int8()
-    elif pack_weights and onednn_linear_available():
-        model.pack_linear_weights()
+        model = model.to(device=device, dtype=dtype)
+    if quantization in ("int4", "int8"):
+        model.quantize(4 if quantization == "int4" else 8)
+    elif device.type == "cpu" and dtype == torch.float32:
+        if int8 and int8_linear_available():
+            model.quantize_int8()
+        elif pack_weights and onednn_linear_available():
+            model.pack_linear_weights()
     return model, cfg, hf_config
 
 

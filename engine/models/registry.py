@@ -1,5 +1,6 @@
 """Embedded model registry: find pip-shipped GGUF weights, verify them and convert once to a
-safetensors model directory in the Tandem cache (``$TANDEM_CACHE_DIR`` or ``~/.cache/tandem``).
+safetensors model directory in the Tandem cache (``$TANDEM_CACHE_DIR`` or ``~/.cache/tandem``),
+which keeps the verified GGUF too (the quantized weights run from it).
 
 The weight packages come from unknown publishers, so they are never imported: their data files are
 located through package metadata and the assembled GGUF is checked against a pinned sha256.
@@ -165,7 +166,10 @@ def _convert(spec: EmbeddedModel, gguf: Path, out_dir: Path) -> None:
 
 
 def _is_converted(path: Path) -> bool:
-    return (path / MARKER).is_file() and (path / "config.json").is_file()
+    """Converted, and holding its GGUF (the quantized weights engine.models.gguf_loader runs)."""
+    if not ((path / MARKER).is_file() and (path / "config.json").is_file()):
+        return False
+    return (path / json.loads((path / MARKER).read_text())["gguf"]).is_file()
 
 
 def resolve_model(name_or_path: str) -> Path:
@@ -197,6 +201,10 @@ def resolve_model(name_or_path: str) -> Path:
                 )
             out = work / "model"
             _convert(spec, gguf, out)
+            if spec.multipart:  # assembled in the work dir: keep it
+                os.replace(gguf, out / spec.gguf_file)
+            else:
+                shutil.copyfile(gguf, out / spec.gguf_file)
             for f in out.iterdir():  # safetensors writes 0600; keep the cache shareable
                 f.chmod(0o644)
             (out / MARKER).write_text(

@@ -1,0 +1,227 @@
+"""Quantized weights: GGUF blocks decoded exactly, the int4 kernel against its torch reference,
+the GGUF loader against transformers' dequantized checkpoint, and the quality rule on real text
+(with a broken variant the same rule rejects)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize
+
+from engine import LLM, EngineConfig
+from engine.models.gguf_blocks import EXACT_TYPES, decode
+from engine.models.int4 import (
+    GROUP,
+    Int4Linear,
+    QuantizedWeight,
+    int4_kernel_available,
+    reference_matmul,
+)
+
+needs_kernel = pytest.mark.skipif(not int4_kernel_available(), reason="no int4 CPU kernel")
+SMOLLM2 = "smollm2-135m-instruct"
+
+# Byte offsets of each block's float16 header fields (scale, and min where the type has one).
+_HEADERS = {
+    T.Q4_0: [0],
+    T.Q4_1: [0, 2],
+    T.Q5_0: [0],
+    T.Q5_1: [0, 2],
+    T.Q8_0: [0],
+    T.Q4_K: [0, 2],
+    T.Q5_K: [0, 2],
+    T.Q6_K: [-2],
+    T.Q3_K: [-2],
+    T.Q2_K: [-4, -2],
+}
+
+
+def random_blocks(qtype: T, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Any bytes are a valid block; only the float16 headers get sane magnitudes."""
+    rng = np.random.default_rng(seed)
+    values_per_block, bytes_per_block = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (rows, cols // values_per_block, bytes_per_block), np.uint8)
+    for offset in _HEADERS[qtype]:
+        at = offset % bytes_per_block
+        header = rng.uniform(-0.05, 0.05, blocks.shape[:2]).astype(np.float16)
+        blocks[..., at : at + 2] = header[..., None].view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", sorted(_HEADERS, key=int), ids=lambda t: t.name)
+def test_gguf_blocks_decode_to_gguf_dequantize(qtype):
+    rows, cols = 16, 512
+    raw = random_blocks(qtype, rows, cols)
+    want = torch.from_numpy(dequantize(raw, qtype).reshape(rows, cols).astype(np.float32))
+    weight = decode(raw, qtype, cols)
+    got = weight.dequantize()
+    assert (weight.codes < 16).all()
+    if qtype in EXACT_TYPES:  # the block's own codes, scales and offsets
+        assert weight.num_halves == (1 if qtype in (T.Q4_0, T.Q4_1, T.Q4_K) else 2)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    else:  # requantized to 8 bits: within half a step of each group's range / 255
+        groups = want.reshape(rows, -1, GROUP)
+        step = (groups.amax(-1) - groups.amin(-1)) / 255
+        bound = step.repeat_interleave(GROUP, 1) / 2 * 1.001 + 1e-6  # fp32 rounding
+        assert ((got - want).abs() <= bound).all()
+        assert (got - want).abs().max() > 0  # really requantized
+
+
+@pytest.mark.parametrize("bits", [4, 5, 8])
+def test_quantize_is_within_half_a_step(bits):
+    w = torch.randn(48, 128, generator=torch.Generator().manual_seed(bits))
+    weight = QuantizedWeight.quantize(w, bits)
+    groups = w.reshape(48, -1, GROUP)
+    step = (groups.amax(-1) - groups.amin(-1)) / (2**bits - 1)
+    err = (weight.dequantize() - w).abs()
+    assert (err <= step.repeat_interleave(GROUP, 1) / 2 * 1.001 + 1e-6).all()
+    assert weight.num_halves == (1 if bits == 4 else 2)
+    assert err.max() > 0
+
+
+def test_quantize_rejects_widths_off_the_group():
+    with pytest.raises(ValueError, match="multiple of 32 to quantize, got 40"):
+        QuantizedWeight.quantize(torch.randn(16, 40), 4)
+
+
+def test_mixed_widths_stack_by_widening():
+    g = torch.Generator().manual_seed(0)
+    a = QuantizedWeight.quantize(torch.randn(16, 64, generator=g), 4)
+    b = QuantizedWeight.quantize(torch.randn(32, 64, generator=g), 8)
+    fused = QuantizedWeight.cat_rows([a, b])
+    assert fused.num_halves == 2
+    torch.testing.assert_close(fused.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("num_rows", [1, 5, 64])
+def test_int4_kernel_equals_reference(bits, num_rows):
+    g = torch.Generator().manual_seed(num_rows)
+    weight = QuantizedWeight.quantize(torch.randn(96, 128, generator=g) * 0.1, bits)
+    bias = torch.randn(96, generator=g)
+    x = torch.randn(num_rows, 128, generator=g)
+    layer = Int4Linear(weight, bias)
+    assert layer.packed is not None and layer.dense is None
+    want = reference_matmul(x, weight).float() + bias
+    got = layer(x)
+    assert got.dtype == torch.float32
+    # The kernel's sum order differs from the reference's: a bf16 rounding step at most.
+    torch.testing.assert_close(got, want, rtol=1 / 128, atol=1e-3)
+
+
+def test_without_the_kernel_layers_hold_the_same_weights_dense(monkeypatch):
+    """CUDA and CPUs without the kernel: the weight dequantized (bf16 parameters as the
+    kernel's), an ordinary matmul in the model's dtype."""
+    from engine.models import int4
+
+    monkeypatch.setattr(int4, "int4_kernel_available", lambda: False)
+    g = torch.Generator().manual_seed(0)
+    weight = QuantizedWeight.quantize(torch.randn(96, 128, generator=g) * 0.1, 8)
+    layer = Int4Linear(weight, None)
+    assert layer.packed is None and layer.dense is not None
+    x = torch.randn(3, 128, generator=g).bfloat16().float()
+    torch.testing.assert_close(layer(x), x @ weight.kernel_params().dequantize().t())
+
+
+def test_quantization_config_is_validated():
+    with pytest.raises(ValueError, match="quantization must be one of .* got 'int3'"):
+        EngineConfig(quantization="int3")
+    with pytest.raises(ValueError, match="draft_quantization must be one of .* got 'fp8'"):
+        EngineConfig(draft_model="self", draft_quantization="fp8")
+    with pytest.raises(ValueError, match="quantization must be 'auto' or None, got 'int4'"):
+        EngineConfig(draft_model="self", quantization="int4")
+
+
+# ---- SmolLM2's own GGUF (Q4_1 projections, a Q8_0 embedding tied to the LM head) ------------
+def _smollm2_dir():
+    from engine.models.registry import resolve_model
+
+    return resolve_model(SMOLLM2)
+
+
+def test_gguf_weights_equal_transformers_dequantized_checkpoint():
+    """Every projection in our layout equals the checkpoint transformers dequantized from the
+    same GGUF: names, fusion, the Q/K row permutation and the block decoding alike."""
+    from engine.models.gguf_loader import GGUFWeights, layer_weights
+    from engine.models.loader import _fused_state, _load_state, gguf_file, load_model
+
+    path = _smollm2_dir()
+    _, cfg, _ = load_model(path, quantization=None, pack_weights=False)
+    dense = _fused_state(cfg, _load_state(path))
+    weights = GGUFWeights(gguf_file(path))
+    for i in range(cfg.num_layers):
+        for name, weight in layer_weights(weights, cfg, i).items():
+            want = dense[f"layers.{i}.{name}.weight"]
+            torch.testing.assert_close(weight.dequantize(), want, rtol=1e-5, atol=1e-6)
+    embed = weights.quantized("token_embd.weight")
+    assert embed.num_halves == 2  # Q8_0
+    torch.testing.assert_close(embed.dequantize(), dense["embed_tokens.weight"])
+    model, _, _ = load_model(path, quantization="gguf")
+    assert model.embed_tokens.weight is None and model.lm_head_weight is None
+    torch.testing.assert_close(
+        model.embed_quantized(torch.arange(7, 4000, 37)),
+        dense["embed_tokens.weight"][7:4000:37],
+    )
+
+
+@pytest.fixture(scope="module")
+def reference_scores():
+    from bench.quality import held_tokens, teacher_forced
+
+    llm = LLM(SMOLLM2, quantization=None, num_kv_blocks=400, enable_prefix_caching=False)
+    ids = held_tokens(llm.engine.tokenizer, 2304)
+    return ids, teacher_forced(llm, ids)
+
+
+@needs_kernel
+def test_native_gguf_meets_the_quality_rule_and_a_broken_zero_point_does_not(reference_scores):
+    """Perplexity within 1% and top-1 agreement >= 95% over 2303 positions of real text, against
+    the fp32 dequantized reference; the same weights with every zero point moved by one step
+    (the error a wrong GGUF offset makes) fail the same rule."""
+    from bench.quality import compare, teacher_forced
+
+    ids, ref = reference_scores
+    llm = LLM(SMOLLM2, num_kv_blocks=400, enable_prefix_caching=False)  # quantization "auto"
+    model = llm.engine.runner.model
+    assert model.layers[0].qkv_proj.quantized.packed is not None
+    report = compare(ref, teacher_forced(llm, ids))
+    assert report.num_positions == 2303
+    assert report.passes, str(report)
+    for module in model.modules():
+        if getattr(module, "quantized", None) is not None:
+            params = module.quantized.params  # [G, N, 2]: scale, zero
+            params[..., 1] += params[..., 0]
+    broken = compare(ref, teacher_forced(llm, ids))
+    assert not broken.passes, str(broken)
+
+
+def test_self_draft_is_exact_for_greedy_and_seeded_sampling():
+    """draft_model="self": SmolLM2's own Q4_1 blocks draft for its fp32 weights; greedy and
+    seeded sampled outputs are plain fp32 decoding's, token for token, and most drafts hold."""
+    from engine import SamplingParams
+
+    llm = LLM(SMOLLM2, draft_model="self", num_kv_blocks=128, num_speculative_tokens=4)
+    plain = LLM(SMOLLM2, quantization=None, num_kv_blocks=128)
+    target, draft = llm.engine.runner.model, llm.engine.draft_runner.model
+    assert target.layers[0].qkv_proj.quantized is None
+    assert draft.layers[0].qkv_proj.quantized is not None
+    chats = [
+        [{"role": "user", "content": "Explain what a hash table is in two sentences."}],
+        [{"role": "user", "content": "Write a haiku about the sea."}],
+    ]
+    prompts = [llm.apply_chat_template(c) for c in chats]
+    for params in (
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_p=0.95, max_tokens=40, ignore_eos=True, seed=7),
+    ):
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+        assert got == want
+    stats = llm.engine.spec_stats
+    by_position = stats.acceptance_by_position
+    assert stats.num_drafts > 40 and stats.acceptance_rate > 0.8, stats.as_dict()
+    assert by_position[0] >= by_position[-1]
