@@ -38,10 +38,13 @@ def demo_adapters():
 
 @pytest.fixture(scope="module")
 def smol(demo_adapters):
-    """SmolLM2 with n-gram speculation and two adapters, behind an API key."""
+    """SmolLM2 with n-gram speculation and two adapters, behind an API key. Exact weights:
+    tokens are compared with offline decoding without speculation (quantized weights may
+    resolve a bf16 near-tie differently in a verification step)."""
     state = make_state(
         MODEL,
         demo_adapters,
+        quantization=None,
         num_kv_blocks=512,
         speculative_method="ngram",
         enable_lora=True,
@@ -60,7 +63,14 @@ def client(smol):
 @pytest.fixture(scope="module")
 def offline(demo_adapters):
     """The same model offline, without speculation: the reference outputs."""
-    return LLM(MODEL, num_kv_blocks=512, enable_lora=True, num_threads=1, max_model_len=2048)
+    return LLM(
+        MODEL,
+        quantization=None,
+        num_kv_blocks=512,
+        enable_lora=True,
+        num_threads=1,
+        max_model_len=2048,
+    )
 
 
 CHAT = [{"role": "user", "content": "Name three colours."}]
