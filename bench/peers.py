@@ -194,6 +194,7 @@ def self_speculation(repeats: int) -> tuple[float, float, list[float], bool]:
 
 RSS_PROBE = """
 import json, sys, psutil, torch
+import engine.llm_engine, gguf, xgrammar  # the libraries' own memory is not the model's
 from engine import LLM
 torch.set_num_threads(1)
 rss0 = psutil.Process().memory_info().rss

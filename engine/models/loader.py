@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 from pathlib import Path
 
@@ -88,6 +90,16 @@ def _fused_state(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, tor
     return out
 
 
+def release_freed_memory() -> None:
+    """Hand the heap memory a load freed back to the OS (glibc keeps it otherwise): decoding a
+    GGUF allocates and drops several transient copies of every tensor, and without this the
+    process kept about as much again as the weights in freed pages (bench/RESULTS.md)."""
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
 def gguf_file(path: str | Path) -> Path | None:
     """The GGUF a model directory holds next to its config (embedded models keep theirs)."""
     files = sorted(Path(path).glob("*.gguf"))
@@ -150,6 +162,7 @@ def load_model(
         if source is None:
             raise ValueError(f"model directory {str(path)!r} has no GGUF file")
         load_gguf_weights(model, source, device, dtype)
+        release_freed_memory()
         return model.to(device=device, dtype=dtype), cfg, hf_config
     state = _fused_state(cfg, _load_state(path))
     missing, unexpected = model.load_state_dict(state, strict=False)
