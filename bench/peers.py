@@ -62,57 +62,19 @@ def llama_cpp_dir(arg: str | None) -> Path | None:
     return None
 
 
+def _run(bin_dir: Path, tool: str, *args) -> str:
+    command = [str(bin_dir / tool), *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, check=True).stdout
+
+
 def llama_decode(bin_dir: Path, gguf: Path, threads: int) -> float:
-    out = subprocess.run(
-        [
-            bin_dir / "llama-bench",
-            "-m",
-            gguf,
-            "-p",
-            "0",
-            "-n",
-            "128",
-            "-t",
-            str(threads),
-            "-r",
-            "1",
-            "-o",
-            "json",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    return float(json.loads(out)[0]["avg_ts"])
+    args = ("-m", gguf, "-p", 0, "-n", 128, "-t", threads, "-r", 1, "-o", "json")
+    return float(json.loads(_run(bin_dir, "llama-bench", *args))[0]["avg_ts"])
 
 
 def llama_batch(bin_dir: Path, gguf: Path, threads: int) -> float:
-    out = subprocess.run(
-        [
-            bin_dir / "llama-batched-bench",
-            "-m",
-            gguf,
-            "-c",
-            "4096",
-            "-b",
-            "2048",
-            "-ub",
-            "512",
-            "-npp",
-            "75",
-            "-ntg",
-            "38",
-            "-npl",
-            "24",
-            "-t",
-            str(threads),
-            "-tb",
-            str(threads),
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    args = ("-m", gguf, "-c", 4096, "-b", 2048, "-ub", 512, "-npp", 75, "-ntg", 38, "-npl", 24)
+    out = _run(bin_dir, "llama-batched-bench", *args, "-t", threads, "-tb", threads)
     row = [line for line in out.splitlines() if re.match(r"\|\s+75\s+\|\s+38\s+\|\s+24\s+\|", line)]
     return float(row[0].split("|")[9])  # T s: prompt processing and generation together
 

@@ -11,11 +11,10 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
+from engine.config import QUANTIZATIONS
 from engine.models.gguf_loader import load_gguf_weights
 from engine.models.llama import LlamaForCausalLM, ModelConfig, onednn_linear_available
 from engine.models.quant import int8_linear_available
-
-QUANTIZATIONS = (None, "auto", "int4", "int8")
 
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
 
