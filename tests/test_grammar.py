@@ -86,6 +86,8 @@ SPEC = {
     "ngram": {"speculative_method": "ngram", "num_speculative_tokens": 3},
     "draft": {"num_speculative_tokens": 3},  # another random model: most drafts rejected
     "self": {"num_speculative_tokens": 4},  # the target itself: every draft accepted
+    # the target's own weights in int8 draft for it (draft_model="self")
+    "quantized-self": {"num_speculative_tokens": 4, "draft_quantization": "int8"},
 }
 
 
@@ -94,6 +96,8 @@ def spec_llm(method, tiny_llama, draft_model, **kw) -> LLM:
     if method in ("draft", "self"):
         args["draft_model"] = str(draft_model if method == "draft" else tiny_llama)
         args["draft_quantization"] = None
+    if method == "quantized-self":
+        args["draft_model"] = "self"
     return LLM(str(tiny_llama), adaptive_speculation=False, **args, **kw)
 
 
@@ -398,7 +402,7 @@ def test_single_token_reads_one_set_bit():
 
 
 # ---- the engine: speculation leaves constrained output unchanged -------------------------
-@pytest.mark.parametrize("method", ["forced", "ngram", "draft", "self"])
+@pytest.mark.parametrize("method", ["forced", "ngram", "draft", "self", "quantized-self"])
 def test_speculation_keeps_constrained_greedy_output(tiny_llama, draft_model, reference, method):
     llm = spec_llm(method, tiny_llama, draft_model, num_kv_blocks=512)
     outs = llm.generate(prompts(36), params(36), use_tqdm=False)
@@ -407,7 +411,9 @@ def test_speculation_keeps_constrained_greedy_output(tiny_llama, draft_model, re
     assert stats.num_forced > 100 and stats.num_forced_accepted > 0
     if method == "self":
         assert stats.num_accepted == stats.num_drafts
-    if method in ("draft", "self"):  # the draft model proposes only what the grammar allows
+    if method == "quantized-self":
+        assert stats.num_accepted > 0.5 * stats.num_drafts > 0, stats.as_dict()
+    if method in ("draft", "self", "quantized-self"):  # drafts only what the grammar allows
         assert llm.engine.grammar.num_drafts_cut == 0
     per_request = [o.metrics.spec for o in outs]
     assert sum(s.num_forced for s in per_request) == stats.num_forced
