@@ -58,6 +58,9 @@ def test_conversion_layout(converted):
     assert "quantization_config" not in config
     assert config["model_type"] == "llama" and config["num_hidden_layers"] == 30
     assert json.loads((path / MARKER).read_text())["sha256"] == EMBEDDED_MODELS[SMOL].sha256
+    # the verified GGUF stays beside the checkpoint: quantized weights run from it
+    kept = path / EMBEDDED_MODELS[SMOL].gguf_file
+    assert registry._sha256(kept) == EMBEDDED_MODELS[SMOL].sha256
     leftovers = [p.name for p in path.parent.iterdir() if ".tmp-" in p.name]
     assert not leftovers  # work dir (and any assembled GGUF) removed
 
@@ -177,6 +180,20 @@ def test_half_written_conversion_is_redone(monkeypatch, tmp_path):
     assert resolve_model(spec.name) == target
     assert (target / MARKER).is_file() and (target / "config.json").read_text() == "{}"
     assert sorted(p.name for p in target.parent.iterdir()) == [f".{spec.name}.lock", spec.name]
+
+
+def test_cache_without_its_gguf_is_redone(monkeypatch, tmp_path):
+    """A cache written before the GGUF was kept (or whose GGUF was deleted) converts again."""
+    spec = _fake_spec(monkeypatch, tmp_path, b"gguf bytes")
+    target = resolve_model(spec.name)
+    assert (target / "fake.gguf").read_bytes() == b"gguf bytes"
+    (target / "fake.gguf").unlink()
+    converted = []
+    monkeypatch.setattr(
+        registry, "_convert", lambda spec, gguf, out: converted.append(out) or out.mkdir()
+    )
+    assert resolve_model(spec.name) == target
+    assert len(converted) == 1 and (target / "fake.gguf").read_bytes() == b"gguf bytes"
 
 
 def test_multipart_assembly_order(monkeypatch, tmp_path):
