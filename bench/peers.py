@@ -11,8 +11,9 @@ For each thread count (1 and 2), alternating the two sides, `--repeats` times ea
   `llama-batched-bench -npp 75 -ntg 38 -npl 24`, its total T s).
 Then, on one thread, exact self-speculation (`draft_model="self"`: the GGUF's own blocks draft
 for the fp32 weights) against plain fp32 decoding on open-ended chat prompts: the outputs must
-be equal token for token (exit 1 otherwise). Last, resident memory: what loading the model adds
-to the process's RSS (a fresh process per precision), against the GGUF file's size.
+be equal token for token (exit 1 otherwise). Last, resident memory: what loading the weights of
+`--rss-model` (Qwen2.5-Coder-1.5B by default, SmolLM2 when it is not installed) adds to a fresh
+process's RSS after its libraries and tokenizer, against the GGUF file's size.
 Prefix caching is off everywhere. Medians with min-max spread; the CPU's name and flags lead.
 """
 
@@ -156,17 +157,21 @@ def self_speculation(repeats: int) -> tuple[float, float, list[float], bool]:
 
 RSS_PROBE = """
 import json, sys, psutil, torch
-import engine.llm_engine, gguf, xgrammar  # the libraries' own memory is not the model's
-from engine import LLM
+from transformers import AutoConfig, AutoTokenizer
+from engine.models.loader import load_model
+from engine.models.registry import resolve_model
 torch.set_num_threads(1)
+path = resolve_model(sys.argv[1])
+AutoTokenizer.from_pretrained(str(path)), AutoConfig.from_pretrained(str(path))
 rss0 = psutil.Process().memory_info().rss
-llm = LLM(sys.argv[1], quantization=None if sys.argv[2] == "none" else sys.argv[2],
-          num_kv_blocks=16, enable_prefix_caching=False)
+model = load_model(path, quantization=None if sys.argv[2] == "none" else sys.argv[2])
 print(json.dumps({"rss": psutil.Process().memory_info().rss - rss0}))
 """
 
 
 def load_rss(model: str, quantization: str) -> int:
+    """What loading the model's weights adds to a process's RSS, in a fresh process whose
+    libraries and tokenizer are loaded first."""
     out = subprocess.run(
         [sys.executable, "-c", RSS_PROBE, model, quantization],
         capture_output=True,
@@ -176,11 +181,27 @@ def load_rss(model: str, quantization: str) -> int:
     return json.loads(out.strip().splitlines()[-1])["rss"]
 
 
+def rss_model(name: str) -> str:
+    """The model whose memory is reported: `name` if its weights are installed, else SmolLM2."""
+    from engine.models.registry import ModelNotFoundError, resolve_model
+
+    try:
+        resolve_model(name)
+    except ModelNotFoundError as e:
+        print(f"memory: {e}; measuring {MODEL} instead")
+        return MODEL
+    return name
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--llama-cpp", help="directory with llama-bench and llama-batched-bench")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--rss-model", default=MODEL, help="model whose load RSS is measured")
+    ap.add_argument(
+        "--rss-model",
+        default="qwen2.5-coder-1.5b-instruct",
+        help="model whose resident memory after load is measured (SmolLM2 when not installed)",
+    )
     args = ap.parse_args(argv)
     from engine.models.loader import gguf_file
     from engine.models.registry import resolve_model
@@ -216,11 +237,12 @@ def main(argv: list[str] | None = None) -> int:
         f"acceptance by position {[round(a, 3) for a in by_position]}; outputs equal: {equal}"
     )
     result["selfspec_speedup"] = selfspec / plain
-    model_gguf = gguf_file(resolve_model(args.rss_model))
+    memory_model = rss_model(args.rss_model)
+    model_gguf = gguf_file(resolve_model(memory_model))
     for quantization in ("auto", "none"):
-        rss = load_rss(args.rss_model, quantization)
+        rss = load_rss(memory_model, quantization)
         print(
-            f"load RSS {args.rss_model} quantization={quantization}: {rss / 1e6:.0f} MB "
+            f"load RSS {memory_model} quantization={quantization}: {rss / 1e6:.0f} MB "
             f"(x{rss / model_gguf.stat().st_size:.2f} the GGUF file)"
         )
         if quantization == "auto":

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGUFReader
 
 from engine.models.gguf_blocks import decode, dequantize_rows
 from engine.models.int4 import QuantizedWeight
@@ -51,14 +51,9 @@ class GGUFWeights:
     def quantized(self, name: str, row_order: torch.Tensor | None = None) -> QuantizedWeight:
         t = self._tensor(name)
         in_features = int(t.shape[0])
-        rows = np.asarray(t.data).reshape(int(t.shape[1]), -1)
-        if t.tensor_type == GGMLQuantizationType.F32 and rows.dtype != np.uint8:
-            rows = rows.reshape(int(t.shape[1]), in_features)
+        rows = np.asarray(t.data).reshape(int(t.shape[1]), -1)  # bytes, or floats for F32/F16
         weight = decode(rows, t.tensor_type, in_features)
         return weight if row_order is None else weight.rows(row_order)
-
-    def type_names(self) -> dict[str, str]:
-        return {name: t.tensor_type.name for name, t in self.tensors.items()}
 
 
 def unpermute_rows(num_rows: int, num_heads: int) -> torch.Tensor:
@@ -91,9 +86,9 @@ def layer_weights(w: GGUFWeights, cfg: ModelConfig, index: int) -> dict[str, Qua
 
 def load_gguf_weights(
     model: LlamaForCausalLM, gguf_path: str | Path, device: torch.device, dtype: torch.dtype
-) -> dict[str, str]:
+) -> None:
     """Fill `model` (built from the same checkpoint's config) with the GGUF's weights:
-    projections, embedding and LM head quantized, the rest dense. Returns each tensor's type."""
+    projections, embedding and LM head quantized, the rest dense."""
     cfg: ModelConfig = model.config
     if cfg.mlp_bias:
         raise ValueError("GGUF models with MLP biases are not supported")
@@ -115,4 +110,3 @@ def load_gguf_weights(
     embed = w.quantized("token_embd.weight")
     head = w.quantized("output.weight") if w.has("output.weight") else embed
     model.set_quantized_embeddings(embed, head, device, dtype)
-    return w.type_names()

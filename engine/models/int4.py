@@ -177,10 +177,6 @@ class Int4Linear:
         y = y.to(x.dtype)
         return y if self.bias is None else y.add_(self.bias)
 
-    def nbytes(self) -> int:
-        held = (self.dense, self.packed, self.params, self.bias)
-        return sum(t.numel() * t.element_size() for t in held if t is not None)
-
 
 def _pack(codes: torch.Tensor, rows_per_chunk: int = 4096) -> torch.Tensor:
     """The kernel's packed layout, built a slice of rows at a time (it wants int32 codes: four
@@ -207,6 +203,3 @@ class QuantizedEmbedding:
         codes = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
         rows = QuantizedWeight(codes, self.scales[ids], self.zeros[ids], self.num_halves)
         return rows.dequantize().to(self.dtype)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.zeros))
