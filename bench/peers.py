@@ -161,7 +161,7 @@ from transformers import AutoConfig, AutoTokenizer
 from engine.models.loader import load_model
 from engine.models.registry import resolve_model
 torch.set_num_threads(1)
-path = resolve_model(sys.argv[1])
+path = resolve_model(sys.argv[1], dense=sys.argv[2] == "none")
 AutoTokenizer.from_pretrained(str(path)), AutoConfig.from_pretrained(str(path))
 rss0 = psutil.Process().memory_info().rss
 model = load_model(path, quantization=None if sys.argv[2] == "none" else sys.argv[2])
@@ -186,7 +186,7 @@ def rss_model(name: str) -> str:
     from engine.models.registry import ModelNotFoundError, resolve_model
 
     try:
-        resolve_model(name)
+        resolve_model(name, dense=False)
     except ModelNotFoundError as e:
         print(f"memory: {e}; measuring {MODEL} instead")
         return MODEL
@@ -204,7 +204,7 @@ def precision_table(bin_dir: Path | None, repeats: int) -> None:
     print("|---|---|---|---|---|")
     for name in EMBEDDED_MODELS:
         try:
-            gguf = gguf_file(resolve_model(name))
+            gguf = gguf_file(resolve_model(name, dense=False))
         except ModelNotFoundError:
             continue
         llms = {
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.models.loader import gguf_file
     from engine.models.registry import resolve_model
 
-    gguf = gguf_file(resolve_model(MODEL))
+    gguf = gguf_file(resolve_model(MODEL, dense=False))
     bin_dir = llama_cpp_dir(args.llama_cpp)
     if args.table:
         precision_table(bin_dir, args.repeats)
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     result["selfspec_speedup"] = selfspec / plain
     memory_model = rss_model(args.rss_model)
-    model_gguf = gguf_file(resolve_model(memory_model))
+    model_gguf = gguf_file(resolve_model(memory_model, dense=False))
     for quantization in ("auto", "none"):
         rss = load_rss(memory_model, quantization)
         print(

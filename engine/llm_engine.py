@@ -17,7 +17,12 @@ from engine.grammar.constraint import StructuredOutputs
 from engine.introspection import snapshot
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import LaunchedStep, ModelRunner, StepResult, kv_bytes_per_block
-from engine.models.loader import draft_load_args, load_model, read_generation_eos
+from engine.models.loader import (
+    draft_load_args,
+    load_model,
+    needs_dense,
+    read_generation_eos,
+)
 from engine.models.registry import resolve_model
 from engine.outputs import (
     NOTHING_SENT,
@@ -83,15 +88,15 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         torch.set_flush_denormal(True)
-        path = resolve_model(config.model)
+        device, dtype = config.torch_device, config.torch_dtype
+        self_draft = config.draft_model == "self"  # the exact target drafts for itself
+        quantization = None if self_draft else config.quantization
+        path = resolve_model(config.model, dense=needs_dense(quantization, device))
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
         self._decode = ExactDecoder(self.tokenizer)
-        device, dtype = config.torch_device, config.torch_dtype
         if device.type == "cuda" and device.index is not None:
             # Triton launches and CUDA graphs act on the current device, not the tensors'.
             torch.cuda.set_device(device)
-        self_draft = config.draft_model == "self"  # the exact target drafts for itself
-        quantization = None if self_draft else config.quantization
         model, self.model_config, _ = load_model(
             path, device=device, dtype=dtype, quantization=quantization
         )
@@ -105,7 +110,8 @@ class LLMEngine:
         self.vocab_size = cfg.vocab_size
         draft = None
         if config.spec_method == "draft":
-            draft_path = path if self_draft else resolve_model(config.draft_model)
+            draft_dense = needs_dense(config.draft_quantization, device)
+            draft_path = path if self_draft else resolve_model(config.draft_model, draft_dense)
             draft_model, draft_cfg, _ = load_model(
                 draft_path,
                 device=device,

@@ -20,7 +20,7 @@ _SCALE = 0.06  # B's spread: enough to change greedy continuations, not to break
 
 
 def write_demo_adapters(model: str) -> dict[str, LoRARequest]:
-    raw = (resolve_model(model) / "config.json").read_bytes()
+    raw = (resolve_model(model, dense=False) / "config.json").read_bytes()
     config = json.loads(raw)
     # Keyed by the model's config too: another model with the same directory name gets its own.
     folder = f"{Path(model).name}-{hashlib.sha256(raw).hexdigest()[:8]}"

@@ -91,6 +91,52 @@ def test_second_resolve_is_cached(converted, monkeypatch):
     assert (path / MARKER).stat().st_mtime_ns == before
 
 
+def test_quantized_engines_need_no_float32_checkpoint(converted, monkeypatch, tmp_path):
+    """dense=False (what an engine with quantization "auto" on CPU asks for) writes the config,
+    tokenizer and GGUF only, equal in what the engine reads to the full conversion's; the
+    float32 checkpoint is added when first asked for, the metadata left as it was."""
+    from transformers import AutoTokenizer
+
+    from engine import LLM, SamplingParams
+
+    full = converted[1]
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    llm = LLM(SMOL, num_kv_blocks=16)  # quantization "auto"
+    path = tmp_path / "models" / SMOL
+    assert not (path / "model.safetensors").exists()
+    assert json.loads((path / MARKER).read_text())["dense"] is False
+    keys = (
+        "model_type",
+        "architectures",
+        "hidden_size",
+        "num_hidden_layers",
+        "vocab_size",
+        "num_key_value_heads",
+        "tie_word_embeddings",
+        "rms_norm_eps",
+        "rope_parameters",
+        "max_position_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+    )
+    mine, theirs = (json.loads((p / "config.json").read_text()) for p in (path, full))
+    assert {k: mine.get(k) for k in keys} == {k: theirs.get(k) for k in keys}
+    gen = [json.loads((p / "generation_config.json").read_text()) for p in (path, full)]
+    assert gen[0]["eos_token_id"] == gen[1]["eos_token_id"] == 2
+    text = "Paged attention keeps KV blocks in a pool. <|im_end|>"
+    assert AutoTokenizer.from_pretrained(str(path)).encode(text) == AutoTokenizer.from_pretrained(
+        str(full)
+    ).encode(text)
+    assert (path / "chat_template.jinja").read_text() == (full / "chat_template.jinja").read_text()
+    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    tokenizer_bytes = (path / "tokenizer.json").read_bytes()
+    assert resolve_model(SMOL) == path  # dense: the checkpoint is added
+    assert (path / "model.safetensors").is_file()
+    assert json.loads((path / MARKER).read_text())["dense"] is True
+    assert (path / "tokenizer.json").read_bytes() == tokenizer_bytes
+
+
 def test_directory_passes_through(converted):
     path = converted[1]
     assert resolve_model(str(path)) == path
@@ -156,7 +202,7 @@ def _fake_spec(monkeypatch, tmp_path, payload: bytes, sha: str | None = None) ->
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(registry, "_locate_gguf", lambda s, work: gguf)
 
-    def fake_convert(spec: EmbeddedModel, gguf: Path, out: Path) -> None:
+    def fake_convert(spec: EmbeddedModel, gguf: Path, out: Path, dense: bool = True) -> None:
         out.mkdir()
         (out / "config.json").write_text("{}")
 
@@ -190,7 +236,7 @@ def test_cache_without_its_gguf_is_redone(monkeypatch, tmp_path):
     (target / "fake.gguf").unlink()
     converted = []
     monkeypatch.setattr(
-        registry, "_convert", lambda spec, gguf, out: converted.append(out) or out.mkdir()
+        registry, "_convert", lambda spec, gguf, out, dense: converted.append(out) or out.mkdir()
     )
     assert resolve_model(spec.name) == target
     assert len(converted) == 1 and (target / "fake.gguf").read_bytes() == b"gguf bytes"

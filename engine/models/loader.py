@@ -118,6 +118,12 @@ def resolve_quantization(quantization: str | None, path: Path, device: torch.dev
     return "gguf" if device.type == "cpu" and gguf_file(path) is not None else None
 
 
+def needs_dense(quantization: str | None, device: torch.device) -> bool:
+    """Whether a load with `quantization` reads the dense checkpoint: all but "auto" on CPU,
+    which runs a directory's GGUF (an embedded model's float32 copy is then never written)."""
+    return quantization != "auto" or device.type != "cpu"
+
+
 def draft_load_args(draft_quantization: str | None, path: Path, device: torch.device) -> dict:
     """load_model's arguments for a draft model: "auto" runs a GGUF draft's own blocks and
     otherwise the dynamic int8 projections (CPU float32; dense elsewhere)."""

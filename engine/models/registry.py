@@ -148,32 +148,76 @@ def _has_chat_template(model_dir: Path) -> bool:
     return cfg.is_file() and bool(json.loads(cfg.read_text()).get("chat_template"))
 
 
-def _convert(spec: EmbeddedModel, gguf: Path, out_dir: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _write_metadata(gguf: Path, out_dir: Path) -> None:
+    """config.json, generation_config.json, the tokenizer and chat template, from the GGUF's own
+    metadata: everything but the weights (seconds, no float32 copy)."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    config.save_pretrained(out_dir)
+    GenerationConfig.from_model_config(config).save_pretrained(out_dir)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model.hf_quantizer = None  # saved weights are plain fp32, not GGUF-quantized
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     if tokenizer.chat_template and not _has_chat_template(out_dir):
         (out_dir / "chat_template.jinja").write_text(tokenizer.chat_template)
 
 
-def _is_converted(path: Path) -> bool:
-    """Converted, and holding its GGUF (the quantized weights engine.models.gguf_loader runs)."""
-    if not ((path / MARKER).is_file() and (path / "config.json").is_file()):
+def _write_dense(gguf: Path, out_dir: Path) -> None:
+    """The weights dequantized to float32 by transformers, as a safetensors checkpoint (with
+    the config it writes)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    model.hf_quantizer = None  # saved weights are plain fp32, not GGUF-quantized
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out_dir, safe_serialization=True)
+
+
+def _convert(spec: EmbeddedModel, gguf: Path, out_dir: Path, dense: bool = True) -> None:
+    _write_metadata(gguf, out_dir)
+    if dense:
+        _write_dense(gguf, out_dir)
+
+
+def _marker(path: Path) -> dict | None:
+    file = path / MARKER
+    return json.loads(file.read_text()) if file.is_file() else None
+
+
+def _is_converted(path: Path, dense: bool = True) -> bool:
+    """Converted and holding its GGUF (the quantized weights engine.models.gguf_loader runs);
+    with `dense`, the float32 checkpoint too (markers without the flag had it)."""
+    marker = _marker(path)
+    if marker is None or not (path / "config.json").is_file():
         return False
-    return (path / json.loads((path / MARKER).read_text())["gguf"]).is_file()
+    return (path / marker["gguf"]).is_file() and (marker.get("dense", True) or not dense)
 
 
-def resolve_model(name_or_path: str) -> Path:
-    """Model directory for a path holding config.json or an embedded model name (converted once)."""
+def _add_dense(target: Path) -> None:
+    """A cache converted without its float32 checkpoint gets one, written beside and moved in."""
+    marker = _marker(target)
+    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        _write_dense(target / marker["gguf"], work)
+        for f in work.iterdir():
+            f.chmod(0o644)
+            os.replace(f, target / f.name)
+        (target / MARKER).write_text(json.dumps(marker | {"dense": True}) + "\n")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def resolve_model(name_or_path: str, dense: bool = True) -> Path:
+    """Model directory for a path holding config.json or an embedded model name (converted once).
+
+    dense=False: an embedded model needs only its config, tokenizer and GGUF (the quantized
+    weights run from it); the float32 checkpoint is written the first time it is asked for."""
     path = Path(name_or_path).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         return path
@@ -185,10 +229,13 @@ def resolve_model(name_or_path: str) -> Path:
         )
     models = cache_dir() / "models"
     target = models / spec.name
-    if _is_converted(target):
+    if _is_converted(target, dense):
         return target
     with _file_lock(models / f".{spec.name}.lock"):
-        if _is_converted(target):  # another process finished while we waited
+        if _is_converted(target, dense):  # another process finished while we waited
+            return target
+        if _is_converted(target, dense=False):
+            _add_dense(target)
             return target
         work = Path(tempfile.mkdtemp(prefix=f".{spec.name}.tmp-", dir=models))
         try:
@@ -200,16 +247,15 @@ def resolve_model(name_or_path: str) -> Path:
                     f"expected {spec.sha256}, got {got}"
                 )
             out = work / "model"
-            _convert(spec, gguf, out)
+            _convert(spec, gguf, out, dense)
             if spec.multipart:  # assembled in the work dir: keep it
                 os.replace(gguf, out / spec.gguf_file)
             else:
                 shutil.copyfile(gguf, out / spec.gguf_file)
             for f in out.iterdir():  # safetensors writes 0600; keep the cache shareable
                 f.chmod(0o644)
-            (out / MARKER).write_text(
-                json.dumps({"name": spec.name, "gguf": spec.gguf_file, "sha256": got}) + "\n"
-            )
+            marker = {"name": spec.name, "gguf": spec.gguf_file, "sha256": got, "dense": dense}
+            (out / MARKER).write_text(json.dumps(marker) + "\n")
             if target.exists():  # half-written leftover without a marker
                 shutil.rmtree(target)
             os.replace(out, target)
