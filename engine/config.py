@@ -66,9 +66,10 @@ class EngineConfig:
     # An embedded name, a local HF directory, or "self": the target's own weights quantized
     # (draft_quantization) draft for the target in its exact dtype.
     draft_model: str | None = None
-    # The draft's weights: "auto" (a GGUF draft's own blocks; "self": the target's GGUF, else
-    # int4), "int4", "int8" (engine.models.int4), "dynamic-int8" (per-channel int8 weights,
-    # activations quantized per call; CPU float32: engine.models.quant) or None (dense).
+    # The draft's weights: "auto" (a GGUF draft's own blocks, for "self" the target's GGUF; a
+    # draft without a GGUF gets "dynamic-int8"), "int4", "int8" (engine.models.int4),
+    # "dynamic-int8" (per-channel int8 weights, activations quantized per call; CPU float32:
+    # engine.models.quant) or None (dense).
     draft_quantization: str | None = "auto"
     num_speculative_tokens: int = 4
     adaptive_speculation: bool = True

@@ -115,7 +115,7 @@ def resolve_quantization(quantization: str | None, path: Path, device: torch.dev
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     if quantization != "auto":
         return quantization
-    return "gguf" if device.type == "cpu" and gguf_file(path) is not None else None
+    return "gguf" if not needs_dense(quantization, device) and gguf_file(path) else None
 
 
 def needs_dense(quantization: str | None, device: torch.device) -> bool:

@@ -1,6 +1,7 @@
-"""Embedded model registry: find pip-shipped GGUF weights, verify them and convert once to a
-safetensors model directory in the Tandem cache (``$TANDEM_CACHE_DIR`` or ``~/.cache/tandem``),
-which keeps the verified GGUF too (the quantized weights run from it).
+"""Embedded model registry: find pip-shipped GGUF weights, verify them and keep them in a model
+directory in the Tandem cache (``$TANDEM_CACHE_DIR`` or ``~/.cache/tandem``) with the config and
+tokenizer read from the GGUF's metadata (the quantized weights run from the GGUF itself); a
+float32 safetensors checkpoint is converted into the same directory once, when first asked for.
 
 The weight packages come from unknown publishers, so they are never imported: their data files are
 located through package metadata and the assembled GGUF is checked against a pinned sha256.
