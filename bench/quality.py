@@ -52,6 +52,46 @@ def teacher_forced(llm: LLM, token_ids: list[int]) -> Scores:
     return Scores(logprobs, top1)
 
 
+def teacher_forced_decode(llm: LLM, token_ids: list[int], prefill: int) -> Scores:
+    """Scores of positions prefill..T-1 as decode computes them: token_ids[:prefill] in one
+    prefill, then each next text token as a single-token step (for a model with fused layers,
+    kernels/cpu/decode_layer.cpp). Drives the model on cache blocks 1.. directly: call it on an
+    idle engine with at least ceil(T / block_size) + 1 blocks."""
+    import torch
+
+    from engine.attention import build_metadata, slot_ids
+
+    runner = llm.engine.runner
+    model, bs = runner.model, runner.block_size
+    table = list(range(1, 1 + -(-len(token_ids) // bs)))
+
+    def step(start: int, tokens: list[int]) -> torch.Tensor:  # log-probs [vocab] after tokens
+        n = len(tokens)
+        slots = torch.tensor(slot_ids(table, start, n, bs))
+        meta = build_metadata(
+            [start + n], [n], [table], slots, bs, runner.cfg.sliding_window,
+            fused_decode=model.fused_decode,
+        )  # fmt: skip
+        positions = torch.arange(start, start + n)
+        hidden = model(torch.tensor(tokens), positions, runner.kv_caches, meta)[-1:]
+        return model.compute_logits(hidden)[0, : runner.cfg.vocab_size].float().log_softmax(-1)
+
+    logprobs, top1 = [], []
+    with torch.inference_mode():
+        scores = step(0, token_ids[:prefill])
+        for t in range(prefill, len(token_ids)):
+            logprobs.append(scores[token_ids[t]].item())
+            top1.append(int(scores.argmax()))
+            if t + 1 < len(token_ids):
+                scores = step(t, [token_ids[t]])
+    return Scores(logprobs, top1)
+
+
+def span(scores: Scores, start: int, end: int) -> Scores:
+    """The scores of text positions start..end-1 (position t predicts token t)."""
+    return Scores(scores.token_logprobs[start - 1 : end - 1], scores.top1[start - 1 : end - 1])
+
+
 @dataclass(frozen=True)
 class QualityReport:
     perplexity_ref: float

@@ -52,11 +52,21 @@ class VarlenBatch:
 
 
 @dataclass(slots=True)
+class DecodeBatch:
+    """A step of single-token queries for a model whose layers run fused on CPU (row b is
+    request b): what kernels/cpu/decode_layer.cpp reads the paged cache with."""
+
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with the null block
+    seq_lens: torch.Tensor  # [B] int64, context including this token
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64
     buckets: list[QueryBucket]
     prefills: list[PrefillSpan]
     varlen: VarlenBatch | None = None  # set for the Triton backend (then no buckets, prefills)
+    decode: DecodeBatch | None = None  # set for fused CPU decode (then no buckets)
 
 
 BACKENDS = ("auto", "torch", "triton")
@@ -149,7 +159,17 @@ def build_metadata(
     block_size: int,
     sliding_window: int | None,
     backend: str = "torch",
+    fused_decode: bool = False,
 ) -> AttentionMetadata:
+    """fused_decode: the model's layers run a step of single-token queries in one call each
+    (engine.models.llama.DecoderLayer.fused); such a step gets a DecodeBatch only."""
+    if fused_decode and all(n == 1 for n in query_lens):
+        width = max(-(-n // block_size) for n in seq_lens)
+        tables = padded_rows(
+            [t[: -(-n // block_size)] for t, n in zip(block_tables, seq_lens, strict=True)], width
+        )
+        decode = DecodeBatch(tables.long(), host_tensor(seq_lens))
+        return AttentionMetadata(slot_mapping, [], [], decode=decode)
     if backend == "triton":
         return AttentionMetadata(
             slot_mapping, [], [], _varlen(seq_lens, query_lens, block_tables, block_size)
@@ -235,6 +255,8 @@ def paged_attention(
             scale,
             vb.max_query_len,
         )
+    if meta.decode is not None:
+        raise RuntimeError("a fused decode step reached the unfused attention path")
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty_like(q)

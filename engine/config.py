@@ -37,8 +37,8 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"
     # Weights: "auto" (a GGUF model, as every embedded one, runs its own quantized blocks on
-    # CPU: engine.models.int4; elsewhere dense), None (dense in dtype: the exact reference the
-    # HF-parity tests use), "int4" / "int8" (weight-only, quantized from a dense checkpoint).
+    # CPU: engine.models.quantized; elsewhere dense), None (dense in dtype: the exact reference
+    # the HF-parity tests use), "int4" / "int8" (weight-only, quantized from a dense checkpoint).
     quantization: str | None = "auto"
     num_kv_blocks: int | None = None  # exact pool size, overrides the byte budget (tests)
     enable_prefix_caching: bool = True
@@ -67,7 +67,7 @@ class EngineConfig:
     # (draft_quantization) draft for the target in its exact dtype.
     draft_model: str | None = None
     # The draft's weights: "auto" (a GGUF draft's own blocks, for "self" the target's GGUF; a
-    # draft without a GGUF gets "dynamic-int8"), "int4", "int8" (engine.models.int4),
+    # draft without a GGUF gets "dynamic-int8"), "int4", "int8" (engine.models.quantized),
     # "dynamic-int8" (per-channel int8 weights, activations quantized per call; CPU float32:
     # engine.models.quant) or None (dense).
     draft_quantization: str | None = "auto"

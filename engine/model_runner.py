@@ -205,6 +205,7 @@ class ModelRunner:
             bs,
             self.cfg.sliding_window,
             self.attention_backend,
+            fused_decode=lora is None and self.model.fused_decode,
         )
         ids, pos = host_tensor(input_ids), host_tensor(positions)
         ids, pos, meta, lora = to_device((ids, pos, meta, lora), self.device)

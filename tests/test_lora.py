@@ -334,7 +334,7 @@ def test_speculation_with_adapters_equals_peft(tiny_llama, adapters, hf_referenc
     assert set(by_adapter) <= set(ADAPTERS) and sum(s["num_drafts"] for s in by_adapter.values())
     if method == "quantized-self":
         layer = llm.engine.draft_runner.model.layers[0]
-        assert layer.qkv_proj.quantized is not None and layer.qkv_proj.quantized.num_halves == 2
+        assert layer.qkv_proj.quantized is not None and layer.qkv_proj.quantized.bits == 8
         assert llm.engine.runner.model.layers[0].qkv_proj.quantized is None
         assert set(by_adapter) == set(ADAPTERS)
         # 0.74-1.0 per adapter here; a draft without the request's adapter accepts ~0

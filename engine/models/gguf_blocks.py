@@ -1,10 +1,11 @@
-"""GGUF quantized blocks -> QuantizedWeight (engine/models/int4.py), without a float detour
+"""GGUF quantized blocks -> QuantizedWeight (engine/models/quantized.py), without a float detour
 where the block's codes fit.
 
 Each decoder reads a tensor's raw rows ([N, bytes per row] uint8, as gguf.GGUFReader maps them)
 and returns integer codes q with a scale and offset per 32 values, w = scale q + offset, the
 block's own numbers: Q4_0, Q4_1, Q4_K (4-bit), Q5_0, Q5_1, Q5_K (5-bit) and Q8_0 (8-bit) are
-held exactly (up to the kernel's bf16 scales). Every other type gguf can dequantize (Q6_K, whose
+held exactly (float32 scales and offsets; torch's int4 kernel, where it is the backend,
+rounds them to bf16). Every other type gguf can dequantize (Q6_K, whose
 scales cover 16 values, Q2_K, Q3_K, IQ*, F16, ...) is requantized to 8 bits per 32 values: an
 error of at most a 510th of each group's range, below the source format's own step.
 """
@@ -16,7 +17,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import Q4_K, dequantize
 
-from engine.models.int4 import GROUP, QuantizedWeight
+from engine.models.quantized import GROUP, QuantizedWeight
 
 
 def _f16(b: np.ndarray) -> np.ndarray:  # [..., 2] uint8 -> [...] float32

@@ -1,10 +1,11 @@
 """Load a GGUF file's weights in their own quantized form into our Llama-family module.
 
 The file is memory-mapped (gguf.GGUFReader) and each tensor's blocks are decoded straight into
-the int4 kernel's layout (engine/models/gguf_blocks.py): no float32 copy of a projection ever
-exists. Q/K/V and gate/up are fused as in the dense loader by stacking rows; llama.cpp stores a
-Llama model's Q and K rows permuted for its RoPE kernel, and we undo that permutation on the
-rows (transformers' GGUF loader does the same to the floats). Norms and biases stay float32.
+codes with a scale and offset per 32 values (engine/models/gguf_blocks.py): no float32 copy of
+a projection ever exists. Q/K/V and gate/up are fused as in the dense loader by stacking
+rows; llama.cpp stores a Llama model's Q and K rows permuted for its RoPE kernel, and we undo
+that permutation on the rows (transformers' GGUF loader does the same to the floats). Norms and
+biases stay float32.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import torch
 from gguf import GGUFReader
 
 from engine.models.gguf_blocks import decode, dequantize_rows
-from engine.models.int4 import QuantizedWeight
 from engine.models.llama import LlamaForCausalLM, ModelConfig
+from engine.models.quantized import QuantizedWeight
 
 _PERMUTED_ARCHITECTURES = {"llama", "mistral"}  # Q/K rows permuted by llama.cpp's converter
 

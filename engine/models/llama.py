@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
-from engine.models.int4 import Int4Linear, QuantizedEmbedding, QuantizedWeight
 from engine.models.quant import linear_int8, pack_int8
+from engine.models.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedWeight
 
 if TYPE_CHECKING:
     from lora.batch import LoRABatch
@@ -127,7 +127,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.packed: torch.Tensor | None = None  # oneDNN opaque tensor once packed
         self.int8: torch.Tensor | None = None  # int8 packed parameters (draft models)
-        self.quantized: Int4Linear | None = None  # weight-only quantized (engine.models.int4)
+        self.quantized: QuantizedLinear | None = None  # weight-only (engine.models.quantized)
 
     def pack(self) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
@@ -139,7 +139,7 @@ class Linear(nn.Module):
 
     def set_quantized(self, weight: QuantizedWeight, device, dtype: torch.dtype) -> None:
         bias = None if self.bias is None else self.bias.detach()
-        self.quantized = Int4Linear(weight, bias, device, dtype)
+        self.quantized = QuantizedLinear(weight, bias, device, dtype)
         self.weight = self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -190,6 +190,20 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
+        self.sliding_window = cfg.sliding_window or 0
+        self.fused: tuple | None = None  # fuse()'s arguments for kernels/cpu/decode_layer.cpp
+
+    def fuse(self) -> bool:
+        """Run decode steps (single-token queries, no LoRA) as one C++ call: possible when
+        every projection is on the tandem kernel (CPU) and the MLP has no bias."""
+        linears = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
+        layers = [m.quantized for m in linears]
+        if any(q is None or q.backend != "tandem" for q in layers) or layers[2].bias is not None:
+            self.fused = None
+            return False
+        weights = [t for q in layers for t in (q.codes, q.scales, q.offsets)]
+        self.fused = (weights, [q.bits for q in layers], layers[0].bias)
+        return True
 
     def forward(
         self,
@@ -200,6 +214,16 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         lora: LoRABatch | None = None,  # per-row adapters, when any row has one
     ) -> torch.Tensor:
+        if meta.decode is not None:  # one call: the same math, see kernels/cpu/decode_layer.cpp
+            weights, bits, qkv_bias = self.fused
+            torch.ops.tandem_cpu.decode_layer(
+                x, weights, bits, qkv_bias, self.input_layernorm.weight,
+                self.post_attention_layernorm.weight, self.input_layernorm.eps, cos, sin,
+                kv_cache[0], kv_cache[1], meta.slot_mapping, meta.decode.block_tables,
+                meta.decode.seq_lens, self.num_heads, self.num_kv_heads, self.scale,
+                self.sliding_window,
+            )  # fmt: skip
+            return x
         n = x.shape[0]
         h = self.input_layernorm(x)
         qkv = self._project(self.qkv_proj, "qkv", h, lora)
@@ -229,8 +253,9 @@ class LlamaForCausalLM(nn.Module):
             cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
         )
         self.embed_quantized: QuantizedEmbedding | None = None
-        self.lm_head_quantized: Int4Linear | None = None
+        self.lm_head_quantized: QuantizedLinear | None = None
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.fused_decode = False  # decode steps run each layer as one C++ call (fuse_decode)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # [vocab, hidden], shared with the embedding when tied; F.linear reads it as is.
         self.lm_head_packed: torch.Tensor | None = None  # oneDNN copy for more than one row
@@ -292,7 +317,7 @@ class LlamaForCausalLM(nn.Module):
         """Quantized token embedding and LM head (the same weight when tied): the dense
         tensors are dropped."""
         self.embed_quantized = QuantizedEmbedding(embed, device, dtype)
-        self.lm_head_quantized = Int4Linear(lm_head, None, device, dtype)
+        self.lm_head_quantized = QuantizedLinear(lm_head, None, device, dtype)
         self.embed_tokens.weight = None
         self.lm_head_weight = None
 
@@ -309,6 +334,13 @@ class LlamaForCausalLM(nn.Module):
         if not self.config.tie_word_embeddings:
             head = QuantizedWeight.quantize(self.lm_head_weight, 8)
         self.set_quantized_embeddings(embed, head, device, dtype)
+
+    def fuse_decode(self) -> bool:
+        """Decode steps through kernels/cpu/decode_layer.cpp where every layer can (quantized
+        projections on the tandem kernel, float32): see DecoderLayer.fuse."""
+        fp32 = self.norm.weight.dtype == torch.float32
+        self.fused_decode = fp32 and all([layer.fuse() for layer in self.layers])
+        return self.fused_decode
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, vocab]
         if self.lm_head_quantized is not None:

@@ -146,7 +146,7 @@ def load_model(
     """Returns (model, ModelConfig, hf_config). max_len bounds the RoPE table.
 
     quantization: None (dense weights in dtype, the exact reference), "auto", "gguf", "int4" or
-    "int8" (see resolve_quantization and engine.models.int4). pack_weights: on CPU, hand dense
+    "int8" (see resolve_quantization and engine.models.quantized). pack_weights: on CPU, hand dense
     linear weights to oneDNN's blocked layout (see `Linear.pack`); False keeps plain dense
     weights. int8: the draft models' int8 projections and LM head instead (lossy, see
     engine.models.quant), where the backend supports it. Both are CPU float32 layouts.
@@ -168,7 +168,9 @@ def load_model(
             raise ValueError(f"model directory {str(path)!r} has no GGUF file")
         load_gguf_weights(model, source, device, dtype)
         release_freed_memory()
-        return model.to(device=device, dtype=dtype), cfg, hf_config
+        model = model.to(device=device, dtype=dtype)
+        model.fuse_decode()
+        return model, cfg, hf_config
     state = _fused_state(cfg, _load_state(path))
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head_weight")]
@@ -181,6 +183,7 @@ def load_model(
         model = model.to(device=device, dtype=dtype)
     if quantization in ("int4", "int8"):
         model.quantize(4 if quantization == "int4" else 8)
+        model.fuse_decode()
     elif device.type == "cpu" and dtype == torch.float32:
         if int8 and int8_linear_available():
             model.quantize_int8()

@@ -1,0 +1,277 @@
+"""Weight-only quantized weights and the layers that run them.
+
+A quantized weight holds integer codes q in [0, 2^bits) with, per GROUP = 32 inputs of a row, a
+scale d and an offset m: w = d q + m, the affine form every GGUF block type reduces to (Q4_0,
+Q4_1 and Q4_K at 4 bits; Q5_0, Q5_1, Q5_K and Q8_0 held exactly in 8-bit codes; others
+requantized to 8 bits by engine/models/gguf_blocks.py). d and m are float32: Q4_K's d x 6-bit
+sub-scales are exact there.
+
+`QuantizedLinear` runs y = x W^T + b with the first of these that runs here:
+- "tandem": our C++ kernel (kernels/cpu/quant_matmul.cpp): activations quantized per 32 values
+  to int8 (as llama.cpp does), integer dot products per group (AVX-512 VNNI / AVX-VNNI / AVX2),
+  4- and 8-bit codes natively. Float32 in and out.
+- "int4pack": torch's `_weight_int4pack_mm_for_cpu` (bf16 activations, bf16 scales and zeros,
+  4-bit codes; 8-bit codes as two nibble halves over the input written twice, see `halves`).
+- "dense": the weight dequantized in the model's dtype (CUDA, or CPUs where neither runs).
+`TANDEM_QUANT_KERNEL=tandem|int4pack|dense` forces one (tests run the same checks over each).
+Each backend's exact arithmetic is written out in `reference_matmul`, the oracle of its tests;
+the quality rule against the float32 weights is tests/test_quantized.py's.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+GROUP = 32  # values per scale along the input dimension
+BACKENDS = ("tandem", "int4pack", "dense")
+
+
+@dataclass
+class QuantizedWeight:
+    """w[n, k] = codes[n, k] scales[n, g] + offsets[n, g], g = k // GROUP."""
+
+    codes: torch.Tensor  # [N, K] uint8 in [0, 2^bits)
+    scales: torch.Tensor  # [N, K / GROUP] float32
+    offsets: torch.Tensor  # [N, K / GROUP] float32
+    bits: int  # 4 or 8: the width the codes are stored and multiplied at
+
+    @property
+    def out_features(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[1]
+
+    @classmethod
+    def from_codes(
+        cls,
+        q: torch.Tensor,  # [N, K] integer codes in [0, 2^bits)
+        scale: torch.Tensor,  # [N, K / GROUP]
+        offset: torch.Tensor,  # [N, K / GROUP]
+        bits: int,
+    ) -> QuantizedWeight:
+        if not 1 <= bits <= 8:
+            raise ValueError(f"bits must be in [1, 8], got {bits}")
+        return cls(q.to(torch.uint8), scale.float(), offset.float(), 4 if bits <= 4 else 8)
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, bits: int) -> QuantizedWeight:
+        """Round-to-nearest over each group's [min, max] (as GGUF's Q4_1): w [N, K] float."""
+        n, k = w.shape
+        if k % GROUP:
+            raise ValueError(f"in_features must be a multiple of {GROUP} to quantize, got {k}")
+        groups = w.detach().float().reshape(n, k // GROUP, GROUP)
+        low, high = groups.amin(-1), groups.amax(-1)  # [N, G]
+        scale = (high - low) / (2**bits - 1)
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = ((groups - low[..., None]) / scale[..., None]).round_().clamp_(0, 2**bits - 1)
+        return cls.from_codes(q.reshape(n, k), scale, low, bits)
+
+    def widened(self) -> QuantizedWeight:
+        """The same weight in 8-bit codes, to share a matrix with 8-bit rows."""
+        return QuantizedWeight(self.codes, self.scales, self.offsets, 8)
+
+    @staticmethod
+    def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """Stack output rows (fused q/k/v, gate/up); mixed widths widen to 8 bits."""
+        bits = max(p.bits for p in parts)
+        parts = [p if p.bits == bits else p.widened() for p in parts]
+        return QuantizedWeight(
+            torch.cat([p.codes for p in parts]),
+            torch.cat([p.scales for p in parts]),
+            torch.cat([p.offsets for p in parts]),
+            bits,
+        )
+
+    def rows(self, index: torch.Tensor) -> QuantizedWeight:
+        return QuantizedWeight(
+            self.codes[index], self.scales[index], self.offsets[index], self.bits
+        )
+
+    def dequantize(self) -> torch.Tensor:  # [N, K] float32
+        n, k = self.codes.shape
+        codes = self.codes.reshape(n, k // GROUP, GROUP).float()
+        return (codes * self.scales[..., None] + self.offsets[..., None]).reshape(n, k)
+
+    def halves(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """torch's int4 kernel's form: 4-bit codes c with w = (c - 8) s + z per group. 8-bit
+        codes q = 16 hi + lo split into [W_hi | W_lo] over the input written twice:
+        [x | x] @ [W_hi | W_lo]^T = x @ W^T with W_hi = 16 d hi and W_lo = d lo + m.
+        Returns codes [N, K h], scales and zeros [N, K h / GROUP], h = 1 or 2 halves."""
+        d, m = self.scales, self.offsets
+        if self.bits == 4:  # (q - 8) d + (m + 8 d) = d q + m
+            return self.codes, d, m + 8 * d
+        # hi half: (hi - 8) 16d + 128d = 16 d hi; lo half: (lo - 8) d + (8 d + m) = d lo + m
+        codes = torch.cat([self.codes >> 4, self.codes & 15], dim=1)
+        return codes, torch.cat([16 * d, d], 1), torch.cat([128 * d, 8 * d + m], 1)
+
+
+@functools.cache
+def int4_kernel_available() -> bool:
+    """torch's int4 CPU kernel exists and runs here (checked once on a tiny matrix)."""
+    aten = torch.ops.aten
+    if not hasattr(aten, "_weight_int4pack_mm_for_cpu"):
+        return False
+    try:
+        codes = torch.zeros(16, GROUP, dtype=torch.int32)
+        packed = aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        params = torch.zeros(1, 16, 2, dtype=torch.bfloat16)
+        aten._weight_int4pack_mm_for_cpu(torch.ones(1, GROUP).bfloat16(), packed, GROUP, params)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def tandem_kernel_available() -> bool:
+    from kernels import cpu
+
+    return cpu.load() is not None
+
+
+def choose_backend(device: torch.device | str, out_features: int) -> str:
+    """TANDEM_QUANT_KERNEL if set, else the first of BACKENDS that runs on `device`."""
+    forced = os.environ.get("TANDEM_QUANT_KERNEL")
+    if forced is not None and forced not in BACKENDS:
+        raise ValueError(f"TANDEM_QUANT_KERNEL must be one of {BACKENDS}, got {forced!r}")
+    if torch.device(device).type != "cpu":
+        return "dense"
+    runs = {
+        "tandem": tandem_kernel_available,
+        "int4pack": lambda: out_features % 16 == 0 and int4_kernel_available(),
+        "dense": lambda: True,
+    }
+    if forced is not None:
+        if not runs[forced]():
+            raise RuntimeError(f"TANDEM_QUANT_KERNEL={forced} does not run on this machine")
+        return forced
+    return next(b for b in BACKENDS if runs[b]())
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tandem kernel's activations: x [M, K] -> int8 codes p [M, K] (as float) and scales
+    dx [M, K / GROUP] with x ~= dx p, dx = max|x| / 127 per group, p rounded half to even."""
+    m, k = x.shape
+    groups = x.float().reshape(m, k // GROUP, GROUP)
+    dx = groups.abs().amax(-1) / 127
+    inv = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
+    return (groups * inv[..., None]).round().reshape(m, k), dx
+
+
+def reference_matmul(x: torch.Tensor, weight: QuantizedWeight, backend: str) -> torch.Tensor:
+    """In plain torch (float64 where the kernel's sums are exact), what `backend` computes."""
+    if backend == "tandem":
+        p, dx = quantize_activations(x)  # [M, K], [M, G]
+        m, k = p.shape
+        p = p.double().reshape(m, k // GROUP, GROUP)
+        q = weight.codes.double().reshape(-1, k // GROUP, GROUP)
+        dots = torch.einsum("ngk,mgk->mng", q, p)  # exact integer sums per group
+        scale = weight.scales.double()[None] * dx.double()[:, None]  # [M, N, G]
+        offset = weight.offsets.double()[None] * (dx.double() * p.sum(-1))[:, None]
+        return (dots * scale + offset).sum(-1).float()
+    if backend == "int4pack":  # bf16 inputs and parameters, float32 sums, a bf16 result
+        codes, scales, zeros = weight.halves()  # [N, K h], [N, K h / GROUP]
+        n = codes.shape[0]
+        c = codes.float().reshape(n, -1, GROUP) - 8
+        s, z = scales.bfloat16().float(), zeros.bfloat16().float()
+        w = (c * s[..., None] + z[..., None]).reshape(n, -1, weight.in_features).sum(1)
+        return (x.bfloat16().float() @ w.t()).bfloat16().float()
+    return x.float() @ weight.dequantize().t()
+
+
+class QuantizedLinear:
+    """y = x W^T + b over a QuantizedWeight, on the backend `choose_backend` picks."""
+
+    def __init__(
+        self,
+        weight: QuantizedWeight,
+        bias: torch.Tensor | None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        backend: str | None = None,
+    ):
+        self.out_features, self.in_features = weight.out_features, weight.in_features
+        self.bits = weight.bits
+        self.backend = backend or choose_backend(device, weight.out_features)
+        self.bias = None if bias is None else bias.to(device=device, dtype=dtype)
+        if self.backend == "tandem":
+            self.codes, self.scales, self.offsets = _pack_tandem(weight)
+        elif self.backend == "int4pack":
+            codes, scales, zeros = weight.halves()
+            self.halves = codes.shape[1] // weight.in_features
+            self.packed = _pack_int4(codes)  # [N, K h / 2] the kernel's layout
+            params = torch.stack([scales, zeros], dim=-1)  # [N, G h, 2]
+            self.params = params.transpose(0, 1).contiguous().bfloat16()
+        else:
+            self.dense = weight.dequantize().to(device=device, dtype=dtype)  # [N, K]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [M, K] -> [M, N] in x's dtype
+        if self.backend == "tandem":
+            y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+            torch.ops.tandem_cpu.linear_out(
+                x.float().contiguous(), self.codes, self.scales, self.offsets, self.bits,
+                self.bias, y,
+            )  # fmt: skip
+            return y.to(x.dtype)
+        if self.backend == "int4pack":
+            xb = x.bfloat16()
+            if self.halves == 2:
+                xb = torch.cat([xb, xb], dim=-1)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, GROUP, self.params)
+            y = y.to(x.dtype)
+            return y if self.bias is None else y.add_(self.bias)
+        return F.linear(x, self.dense, self.bias)
+
+
+def _pack_tandem(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tandem kernel's layout (kernels/cpu/quant_matmul.cpp): K padded to a multiple of 64
+    with zero groups; 4-bit codes two per byte (byte j of each 32-byte unit u: input 64u + j
+    low, 64u + 32 + j high); 8-bit codes as bytes, signed (q - 128, offset + 128 d) where the
+    kernel multiplies signed weights."""
+    n, k = weight.codes.shape
+    kp = -(-k // 64) * 64
+    codes = F.pad(weight.codes, (0, kp - k))
+    scales = F.pad(weight.scales, (0, (kp - k) // GROUP)).contiguous()
+    offsets = F.pad(weight.offsets, (0, (kp - k) // GROUP))
+    if weight.bits == 4:
+        units = codes.reshape(n, kp // 64, 2, 32)
+        codes = units[:, :, 0] | (units[:, :, 1] << 4)
+    elif torch.ops.tandem_cpu.signed_8bit():
+        codes = (codes.to(torch.int16) - 128).to(torch.int8).view(torch.uint8)
+        offsets = offsets + 128 * scales
+    return codes.reshape(n, -1).contiguous(), scales, offsets.contiguous()
+
+
+def _pack_int4(codes: torch.Tensor, rows_per_chunk: int = 4096) -> torch.Tensor:
+    """torch's int4 kernel's packed layout, built a slice of rows at a time (it wants int32
+    codes: four bytes per code for the whole matrix at once would be the largest allocation of
+    a load). Rows pack independently: slices of a multiple of 16 rows concatenate to the whole."""
+    chunks = [
+        torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes[i : i + rows_per_chunk].int(), 1)
+        for i in range(0, codes.shape[0], rows_per_chunk)
+    ]
+    return torch.cat(chunks) if len(chunks) > 1 else chunks[0]
+
+
+class QuantizedEmbedding:
+    """Rows of a QuantizedWeight dequantized on lookup: 4-bit codes two per byte at rest."""
+
+    def __init__(self, weight: QuantizedWeight, device: torch.device | str, dtype: torch.dtype):
+        codes = weight.codes
+        if weight.bits == 4:
+            codes = codes[:, 0::2] | (codes[:, 1::2] << 4)  # [V, K / 2]
+        self.codes = codes.to(device)
+        self.scales, self.offsets = weight.scales.to(device), weight.offsets.to(device)
+        self.bits, self.dtype = weight.bits, dtype
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:  # [N] -> [N, K]
+        codes = self.codes[ids]
+        if self.bits == 4:
+            codes = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(codes.shape[0], -1)
+        rows = QuantizedWeight(codes, self.scales[ids], self.offsets[ids], self.bits)
+        return rows.dequantize().to(self.dtype)
