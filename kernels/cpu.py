@@ -4,7 +4,7 @@ The library is compiled for the CPU it runs on (-march=native: AVX-512 VNNI, AVX
 code paths, chosen by the compiler's view of this machine) into the Tandem cache, keyed by the
 sources, torch's version and the CPU's flags, so a cache shared between machines never loads a
 build for another CPU. `make install` builds it ahead (`python -m kernels.cpu`); otherwise the
-first model load does (about 6 s). Without a C++ compiler, on a CPU without AVX2 and FMA, or
+first model load does (about 8 s). Without a C++ compiler, on a CPU without AVX2 and FMA, or
 with TANDEM_CPU_KERNELS=0, `load()` says why and returns None, and the quantized layers use
 torch's own int4 kernel instead (engine/models/quantized.py).
 
@@ -26,7 +26,17 @@ from pathlib import Path
 import torch
 
 SOURCES = sorted((Path(__file__).parent / "cpu").glob("*.cpp"))
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++20", "-shared", "-fPIC"]
+# TANDEM_CPU_MARCH=haswell builds the AVX2 path on any newer x86 CPU (tests use it).
+MARCH = os.environ.get("TANDEM_CPU_MARCH", "native")
+FLAGS = [
+    f"-march={MARCH}",
+    "-O3",
+    "-ffp-contract=off",
+    "-fopenmp",
+    "-std=c++20",
+    "-shared",
+    "-fPIC",
+]
 
 
 def _cpu_flags() -> str:

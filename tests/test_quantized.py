@@ -14,9 +14,11 @@ from gguf.quants import dequantize
 from engine import LLM, EngineConfig
 from engine.models.gguf_blocks import EXACT_TYPES, decode
 from engine.models.quantized import (
+    BF16_GEMM_ROWS,
     GROUP,
     QuantizedLinear,
     QuantizedWeight,
+    bf16_gemm_is_fast,
     int4_kernel_available,
     reference_matmul,
     tandem_kernel_available,
@@ -106,7 +108,7 @@ CPU_BACKENDS = [
 ]
 TOLERANCE = {  # the reference's sums are float64 and in another order
     "tandem": dict(rtol=1e-5, atol=1e-5),
-    "int4pack": dict(rtol=1 / 128, atol=1e-3),  # a bf16 rounding step at most
+    "int4pack": dict(rtol=1 / 128, atol=1e-3),  # a bf16 rounding step at most (bf16 output)
     "dense": dict(rtol=1e-5, atol=1e-5),
 }
 
@@ -123,9 +125,9 @@ def test_quantized_linear_equals_its_reference(backend, bits, num_rows, in_featu
     layer = QuantizedLinear(weight, bias, backend=backend)
     got = layer(x)
     assert got.dtype == torch.float32
-    torch.testing.assert_close(
-        got, reference_matmul(x, weight, backend) + bias, **TOLERANCE[backend]
-    )
+    bf16 = backend == "tandem" and num_rows >= BF16_GEMM_ROWS and bf16_gemm_is_fast()
+    tolerance = TOLERANCE["int4pack" if bf16 else backend]  # the bf16 GEMM: bf16 rounding
+    torch.testing.assert_close(got, reference_matmul(x, weight, backend) + bias, **tolerance)
     # the reference is not trivially close: against the float weights the kernels differ
     if backend != "dense":
         exact = x @ weight.dequantize().t() + bias
@@ -134,14 +136,47 @@ def test_quantized_linear_equals_its_reference(backend, bits, num_rows, in_featu
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS[:2])
 def test_a_rows_result_does_not_depend_on_its_batch(backend):
-    """Row r of a 64-row call is bitwise the same as row r alone (speculation's verify rows and
-    a plain decode see the same numbers)."""
+    """Row r of a 63-row call is bitwise the same as row r alone (speculation's verify rows and
+    a plain decode see the same numbers); from BF16_GEMM_ROWS rows the tandem backend may
+    switch to its bf16 GEMM (prefill)."""
     g = torch.Generator().manual_seed(3)
     weight = QuantizedWeight.quantize(torch.randn(64, 576, generator=g) * 0.1, 4)
     layer = QuantizedLinear(weight, None, backend=backend)
-    x = torch.randn(64, 576, generator=g)
+    x = torch.randn(BF16_GEMM_ROWS - 1, 576, generator=g)
     batched = layer(x)
-    assert all(torch.equal(layer(x[r : r + 1])[0], batched[r]) for r in (0, 17, 63))
+    assert all(torch.equal(layer(x[r : r + 1])[0], batched[r]) for r in (0, 17, 62))
+
+
+AVX2_CHECK = """
+import torch
+from engine.models.quantized import QuantizedLinear, QuantizedWeight, reference_matmul
+from kernels import cpu
+assert cpu.load() == "avx2" and torch.ops.tandem_cpu.signed_8bit()
+g = torch.Generator().manual_seed(0)
+for bits in (4, 8):
+    weight = QuantizedWeight.quantize(torch.randn(96, 96, generator=g) * 0.1, bits)
+    layer = QuantizedLinear(weight, None, backend="tandem")
+    for rows in (1, 5, 63):  # the int8 path (from 64 rows a bf16 GEMM may take over)
+        x = torch.randn(rows, 96, generator=g)
+        want = reference_matmul(x, weight, "tandem")
+        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(
+    not (tandem_kernel_available() and torch.cpu._is_avx2_supported()), reason="no AVX2 build"
+)
+def test_the_avx2_build_equals_its_reference():
+    """The AVX2 path (maddubs, signed 8-bit codes: CPUs without VNNI) built for this x86 CPU
+    with -march=haswell and checked against the same references, in a fresh process."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TANDEM_CPU_MARCH": "haswell"}
+    done = subprocess.run([sys.executable, "-c", AVX2_CHECK], env=env, capture_output=True)
+    assert done.returncode == 0 and done.stdout.strip() == b"ok", done.stderr.decode()[-2000:]
 
 
 def test_dense_backend_is_forced_by_the_environment(monkeypatch):

@@ -22,9 +22,11 @@
 #include "quant_matmul.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "simd.h"
@@ -261,6 +263,54 @@ void linear_out(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
   linear(w, x.data_ptr<float>(), x.size(0), x.size(1), y.data_ptr<float>(), y.stride(0));
 }
 
+// Round to nearest even (bf16 keeps the top 16 bits of a float32; no NaNs arise here).
+inline uint16_t to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+// w [N, k] = d c + m over the stored codes c (d q + m exactly, but for AVX2's signed 8-bit
+// codes, stored as q - 128 with m + 128 d), rounded to bf16: for GEMMs with many rows, where
+// a bf16 GEMM (oneDNN, AVX512-BF16 or AMX) over weights dequantized per call beats the int8
+// path (see engine/models/quantized.py).
+at::Tensor dequantize_bf16(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
+                           int64_t bits, int64_t k) {
+  const QuantizedMatrix w = matrix(codes, d, m, bits, {});
+  TORCH_CHECK(k <= w.kp && w.kp - k < 64, "tandem_cpu: k ", k, " for a weight padded to ", w.kp);
+  auto out = at::empty({w.rows, k}, d.options().dtype(at::kBFloat16));
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t groups = w.kp / G, row_bytes = w.bits == 4 ? w.kp / 2 : w.kp;
+  const bool is_signed = w.bits == 8 && kSigned8;
+  at::parallel_for(0, w.rows, 16, [&](int64_t n0, int64_t n1) {
+    alignas(64) float q[64];
+    alignas(64) float vals[64];
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* c = w.codes + n * row_bytes;
+      for (int64_t u = 0; u < w.kp / 64; ++u) {  // 64 inputs: two groups
+        if (w.bits == 4) {
+          for (int j = 0; j < 32; ++j) {
+            q[j] = static_cast<float>(c[32 * u + j] & 15);
+            q[32 + j] = static_cast<float>(c[32 * u + j] >> 4);
+          }
+        } else if (is_signed) {
+          for (int j = 0; j < 64; ++j) q[j] = static_cast<float>(static_cast<int8_t>(c[64 * u + j]));
+        } else {
+          for (int j = 0; j < 64; ++j) q[j] = static_cast<float>(c[64 * u + j]);
+        }
+        for (int h = 0; h < 2; ++h) {
+          const float dg = w.d[n * groups + 2 * u + h], mg = w.m[n * groups + 2 * u + h];
+          for (int j = 0; j < 32; ++j) vals[32 * h + j] = dg * q[32 * h + j] + mg;
+        }
+        const int64_t width = std::min<int64_t>(64, k - 64 * u);
+        uint16_t* row = o + n * k + 64 * u;
+        for (int64_t j = 0; j < width; ++j) row[j] = to_bf16(vals[j]);
+      }
+    }
+  });
+  return out;
+}
+
 std::string isa() { return kIsa; }
 bool signed_8bit() { return kSigned8; }
 
@@ -270,6 +320,8 @@ bool signed_8bit() { return kSigned8; }
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, lib) {
   lib.def("isa() -> str", &tandem::isa);
   lib.def("signed_8bit() -> bool", &tandem::signed_8bit);
+  lib.def("dequantize_bf16(Tensor codes, Tensor d, Tensor m, int bits, int k) -> Tensor",
+          &tandem::dequantize_bf16);
   lib.def(
       "linear_out(Tensor x, Tensor codes, Tensor d, Tensor m, int bits, Tensor? bias, "
       "Tensor(a!) y) -> ()",
