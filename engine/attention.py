@@ -53,11 +53,17 @@ class VarlenBatch:
 
 @dataclass(slots=True)
 class DecodeBatch:
-    """A step of single-token queries for a model whose layers run fused on CPU (row b is
-    request b): what kernels/cpu/decode_layer.cpp reads the paged cache with."""
+    """The short-query rows of a step (decode tokens, verification rows) for a model whose
+    layers run them fused on CPU (kernels/cpu/decode_layer.cpp), each row with its own
+    context; the step's other rows (prefill chunks), if any, run the unfused path."""
 
-    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with the null block
-    seq_lens: torch.Tensor  # [B] int64, context including this token
+    block_tables: torch.Tensor  # [requests, max_blocks] int64, padded with the null block
+    row_tables: torch.Tensor  # [R] int64: each row's request, a row of block_tables
+    seq_lens: torch.Tensor  # [R] int64: each row's context, itself included
+    slot_mapping: torch.Tensor  # [R] int64
+    rows: torch.Tensor | None = None  # [R] rows of the flat batch; None: all of them, in order
+    other_rows: torch.Tensor | None = None  # the remaining rows of the flat batch
+    other: AttentionMetadata | None = None  # their metadata, indexed within other_rows
 
 
 @dataclass(slots=True)
@@ -163,13 +169,16 @@ def build_metadata(
 ) -> AttentionMetadata:
     """fused_decode: the model's layers run a step of single-token queries in one call each
     (engine.models.llama.DecoderLayer.fused); such a step gets a DecodeBatch only."""
-    if fused_decode and all(n == 1 for n in query_lens):
-        width = max(-(-n // block_size) for n in seq_lens)
-        tables = padded_rows(
-            [t[: -(-n // block_size)] for t, n in zip(block_tables, seq_lens, strict=True)], width
+    short = [i for i, n in enumerate(query_lens) if n <= MAX_BATCHED_QUERY_LEN]
+    if fused_decode and short:
+        return AttentionMetadata(
+            slot_mapping,
+            [],
+            [],
+            decode=_decode_batch(
+                short, seq_lens, query_lens, block_tables, slot_mapping, block_size, sliding_window
+            ),
         )
-        decode = DecodeBatch(tables.long(), host_tensor(seq_lens))
-        return AttentionMetadata(slot_mapping, [], [], decode=decode)
     if backend == "triton":
         return AttentionMetadata(
             slot_mapping, [], [], _varlen(seq_lens, query_lens, block_tables, block_size)
@@ -213,6 +222,50 @@ def build_metadata(
                 )
             )
     return AttentionMetadata(slot_mapping, buckets, prefills)
+
+
+def _decode_batch(
+    short: list[int],  # requests whose queries are short, in order
+    seq_lens: list[int],
+    query_lens: list[int],
+    block_tables: list[list[int]],
+    slot_mapping: torch.Tensor,
+    block_size: int,
+    sliding_window: int | None,
+) -> DecodeBatch:
+    row_starts = [0, *itertools.accumulate(query_lens)]
+    row_tables, row_lens, rows = [], [], []
+    for j, i in enumerate(short):
+        for t in range(query_lens[i]):
+            row_tables.append(j)
+            row_lens.append(seq_lens[i] - query_lens[i] + t + 1)
+            rows.append(row_starts[i] + t)
+    width = max(-(-seq_lens[i] // block_size) for i in short)
+    tables = padded_rows([block_tables[i][: -(-seq_lens[i] // block_size)] for i in short], width)
+    if len(short) == len(query_lens):
+        return DecodeBatch(
+            tables.long(), host_tensor(row_tables), host_tensor(row_lens), slot_mapping
+        )
+    long = [i for i in range(len(query_lens)) if i not in set(short)]
+    other_rows = host_tensor([r for i in long for r in range(row_starts[i], row_starts[i + 1])])
+    rows_t = host_tensor(rows)
+    other = build_metadata(
+        [seq_lens[i] for i in long],
+        [query_lens[i] for i in long],
+        [block_tables[i] for i in long],
+        slot_mapping[other_rows],
+        block_size,
+        sliding_window,
+    )
+    return DecodeBatch(
+        tables.long(),
+        host_tensor(row_tables),
+        host_tensor(row_lens),
+        slot_mapping[rows_t],
+        rows_t,
+        other_rows,
+        other,
+    )
 
 
 def _varlen(

@@ -136,15 +136,17 @@ def test_quantized_linear_equals_its_reference(backend, bits, num_rows, in_featu
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS[:2])
 def test_a_rows_result_does_not_depend_on_its_batch(backend):
-    """Row r of a 63-row call is bitwise the same as row r alone (speculation's verify rows and
-    a plain decode see the same numbers); from BF16_GEMM_ROWS rows the tandem backend may
-    switch to its bf16 GEMM (prefill)."""
+    """A row's result is bitwise the same whatever rows share its call: below BF16_GEMM_ROWS
+    rows (decode, verification) and, for the tandem backend's bf16 GEMM, from there on
+    (prefill): speculation and batching then see a request's own numbers."""
     g = torch.Generator().manual_seed(3)
     weight = QuantizedWeight.quantize(torch.randn(64, 576, generator=g) * 0.1, 4)
     layer = QuantizedLinear(weight, None, backend=backend)
-    x = torch.randn(BF16_GEMM_ROWS - 1, 576, generator=g)
-    batched = layer(x)
-    assert all(torch.equal(layer(x[r : r + 1])[0], batched[r]) for r in (0, 17, 62))
+    x = torch.randn(100, 576, generator=g)
+    small = layer(x[: BF16_GEMM_ROWS - 1])
+    assert all(torch.equal(layer(x[r : r + 1])[0], small[r]) for r in (0, 7, BF16_GEMM_ROWS - 2))
+    large = layer(x)
+    assert torch.equal(layer(x[30 : 30 + BF16_GEMM_ROWS])[-1], large[30 + BF16_GEMM_ROWS - 1])
 
 
 AVX2_CHECK = """
@@ -156,7 +158,7 @@ g = torch.Generator().manual_seed(0)
 for bits in (4, 8):
     weight = QuantizedWeight.quantize(torch.randn(96, 96, generator=g) * 0.1, bits)
     layer = QuantizedLinear(weight, None, backend="tandem")
-    for rows in (1, 5, 63):  # the int8 path (from 64 rows a bf16 GEMM may take over)
+    for rows in (1, 5, 16):  # the int8 path (from 17 rows a bf16 GEMM may take over)
         x = torch.randn(rows, 96, generator=g)
         want = reference_matmul(x, weight, "tandem")
         torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
@@ -307,6 +309,62 @@ def test_fused_decode_meets_the_quality_rule_and_a_broken_attention_does_not(ref
         layer.sliding_window = 1
     broken = compare(span(ref, prefill, len(ids)), teacher_forced_decode(llm, ids, prefill))
     assert not broken.passes, str(broken)
+
+
+def _run_staggered(llm, prompts, params) -> list[list[int]]:
+    """The first request alone for two steps, then the others join: later steps carry the
+    first one's decode rows beside the newcomers' prefills (fused and unfused rows split)."""
+    engine = llm.engine
+    engine.add_request("r0", prompts[0], params[0])
+    engine.step(), engine.step()
+    for i in range(1, len(prompts)):
+        engine.add_request(f"r{i}", prompts[i], params[i])
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return [done[f"r{i}"] for i in range(len(prompts))]
+
+
+@pytest.mark.skipif(not tandem_kernel_available(), reason="no C++ kernel")
+def test_quantized_speculation_and_batching_keep_each_requests_tokens():
+    """Over the GGUF's blocks (quantization "auto"), a row's numbers do not depend on what runs
+    beside it: n-gram speculation (verification rows), batching with other requests and steps
+    that also carry another request's prefill give each request the tokens it gets decoded
+    alone without speculation, greedy and seeded sampled."""
+    from engine import SamplingParams
+
+    plain = LLM(SMOLLM2, num_kv_blocks=256, enable_prefix_caching=False)
+    spec = LLM(
+        SMOLLM2,
+        num_kv_blocks=256,
+        enable_prefix_caching=False,
+        speculative_method="ngram",
+        num_speculative_tokens=4,
+        adaptive_speculation=False,
+    )
+    assert plain.engine.runner.model.fused_decode
+    texts = [
+        "Repeat exactly: the quick brown fox jumps over the lazy dog, twice over.",
+        "Copy this list: apples, pears, plums, cherries, grapes, figs, dates.",
+        "Write a haiku about the sea.",
+    ]
+    prompts = [plain.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+    for sampled in (False, True):
+        params = [
+            SamplingParams(temperature=0.8, top_p=0.95, seed=3 + i, max_tokens=32)
+            if sampled
+            else SamplingParams(temperature=0, max_tokens=32)
+            for i in range(3)
+        ]
+        alone = [
+            plain.generate([p], q, use_tqdm=False)[0].outputs[0].token_ids
+            for p, q in zip(prompts, params, strict=True)
+        ]
+        assert _run_staggered(plain, prompts, params) == alone
+        assert _run_staggered(spec, prompts, params) == alone
+    assert spec.engine.spec_stats.num_accepted > 0
 
 
 def test_self_draft_is_exact_for_greedy_and_seeded_sampling():

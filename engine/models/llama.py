@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention
+from engine.attention import AttentionMetadata, DecodeBatch, paged_attention
 from engine.models.quant import linear_int8, pack_int8
 from engine.models.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedWeight
 
@@ -194,8 +194,9 @@ class DecoderLayer(nn.Module):
         self.fused: tuple | None = None  # fuse()'s arguments for kernels/cpu/decode_layer.cpp
 
     def fuse(self) -> bool:
-        """Run decode steps (single-token queries, no LoRA) as one C++ call: possible when
-        every projection is on the tandem kernel (CPU) and the MLP has no bias."""
+        """Run a step's short-query rows (decode, verification; steps without LoRA) as one C++
+        call: possible when every projection is on the tandem kernel (CPU) and the MLP has no
+        bias."""
         linears = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
         layers = [m.quantized for m in linears]
         if any(q is None or q.backend != "tandem" for q in layers) or layers[2].bias is not None:
@@ -214,16 +215,16 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         lora: LoRABatch | None = None,  # per-row adapters, when any row has one
     ) -> torch.Tensor:
-        if meta.decode is not None:  # one call: the same math, see kernels/cpu/decode_layer.cpp
-            weights, bits, qkv_bias = self.fused
-            torch.ops.tandem_cpu.decode_layer(
-                x, weights, bits, qkv_bias, self.input_layernorm.weight,
-                self.post_attention_layernorm.weight, self.input_layernorm.eps, cos, sin,
-                kv_cache[0], kv_cache[1], meta.slot_mapping, meta.decode.block_tables,
-                meta.decode.seq_lens, self.num_heads, self.num_kv_heads, self.scale,
-                self.sliding_window,
-            )  # fmt: skip
-            return x
+        d = meta.decode
+        if d is not None:  # short queries in one call each: see kernels/cpu/decode_layer.cpp
+            if d.rows is None:
+                return self._fused(x, cos, sin, kv_cache, d)
+            out = torch.empty_like(x)
+            fused = self._fused(x[d.rows], cos[d.rows], sin[d.rows], kv_cache, d)
+            out[d.rows] = fused
+            rest = d.other_rows
+            out[rest] = self.forward(x[rest], cos[rest], sin[rest], kv_cache, d.other, lora)
+            return out
         n = x.shape[0]
         h = self.input_layernorm(x)
         qkv = self._project(self.qkv_proj, "qkv", h, lora)
@@ -236,6 +237,16 @@ class DecoderLayer(nn.Module):
         h = self.post_attention_layernorm(x)
         gate, up = self._project(self.gate_up_proj, "gate_up", h, lora).chunk(2, dim=-1)
         return x + self._project(self.down_proj, "down", F.silu(gate) * up, lora)
+
+    def _fused(self, x, cos, sin, kv_cache, d: DecodeBatch) -> torch.Tensor:  # x updated
+        weights, bits, qkv_bias = self.fused
+        torch.ops.tandem_cpu.decode_layer(
+            x, weights, bits, qkv_bias, self.input_layernorm.weight,
+            self.post_attention_layernorm.weight, self.input_layernorm.eps, cos, sin,
+            kv_cache[0], kv_cache[1], d.slot_mapping, d.block_tables, d.row_tables, d.seq_lens,
+            self.num_heads, self.num_kv_heads, self.scale, self.sliding_window,
+        )  # fmt: skip
+        return x
 
     def _project(self, linear: Linear, group: str, x: torch.Tensor, lora) -> torch.Tensor:
         y = linear(x)
@@ -317,7 +328,9 @@ class LlamaForCausalLM(nn.Module):
         """Quantized token embedding and LM head (the same weight when tied): the dense
         tensors are dropped."""
         self.embed_quantized = QuantizedEmbedding(embed, device, dtype)
-        self.lm_head_quantized = QuantizedLinear(lm_head, None, device, dtype)
+        # The LM head stays on one path at any row count: a verification step's logits are
+        # then bitwise a decode step's (the fused layers keep the hidden states so).
+        self.lm_head_quantized = QuantizedLinear(lm_head, None, device, dtype, bf16_gemm=False)
         self.embed_tokens.weight = None
         self.lm_head_weight = None
 

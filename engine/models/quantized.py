@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.attention import MAX_BATCHED_QUERY_LEN
+
 GROUP = 32  # values per scale along the input dimension
 BACKENDS = ("tandem", "int4pack", "dense")
 
@@ -197,10 +199,12 @@ class QuantizedLinear:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         backend: str | None = None,
+        bf16_gemm: bool = True,  # the tandem backend's bf16 GEMM for many rows (prefill)
     ):
         self.out_features, self.in_features = weight.out_features, weight.in_features
         self.bits = weight.bits
         self.backend = backend or choose_backend(device, weight.out_features)
+        self.bf16_gemm = bf16_gemm and bf16_gemm_is_fast()
         self.bias = None if bias is None else bias.to(device=device, dtype=dtype)
         if self.backend == "tandem":
             self.codes, self.scales, self.offsets = _pack_tandem(weight)
@@ -215,7 +219,7 @@ class QuantizedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [M, K] -> [M, N] in x's dtype
         if self.backend == "tandem":
-            if x.shape[0] >= BF16_GEMM_ROWS and bf16_gemm_is_fast():
+            if self.bf16_gemm and x.shape[0] >= BF16_GEMM_ROWS:
                 return self._bf16_gemm(x)
             y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
             torch.ops.tandem_cpu.linear_out(
@@ -249,10 +253,13 @@ class QuantizedLinear:
 
 
 # From this many rows on, where the CPU multiplies bf16 fast (AVX512-BF16 or AMX), the tandem
-# backend runs a bf16 GEMM over its weight dequantized per call instead of the int8 path: at
-# 64 rows ~1.7x faster per projection on a Zen 4 core, 2.1x at 256 (bench/RESULTS.md). Below,
-# dequantizing costs more than it saves; without fast bf16 (AVX2-only CPUs) it never pays.
-BF16_GEMM_ROWS = 64
+# backend runs a bf16 GEMM over its weight dequantized per call instead of the int8 path: about
+# even at 17-32 rows, 1.7x faster per projection at 64 rows and 2.1x at 256 on a Zen 4 core
+# (bench/RESULTS.md); without fast bf16 (AVX2-only CPUs) it never pays. 17: one more than the
+# longest query the fused layers take (engine.attention.MAX_BATCHED_QUERY_LEN), so with fused
+# layers every prefill row takes this path and every decode or verification row the int8 one,
+# whatever else shares the step (oneDNN's bf16 GEMM gives a row the same bits at any row count).
+BF16_GEMM_ROWS = MAX_BATCHED_QUERY_LEN + 1
 BF16_SLICE_ROWS = 4096  # weight rows dequantized at once: 4.7 MB of bf16 at K = 576
 
 

@@ -1,14 +1,18 @@
-// One Llama-family decoder layer for a batch of single-token queries (plain decode), in one call:
+// One Llama-family decoder layer for rows of short queries (decode: one token per request;
+// speculative verification: the last token and the drafts), in one call:
 //
 //   h = rms_norm(x) w1;  q, k, v = h Wqkv^T (+ b);  rotate q, k (RoPE, rotate-half);
-//   store k, v at the tokens' cache slots;  a = softmax(q K^T scale) V over each request's
-//   paged context (sliding window if any);  x += a Wo^T;
+//   store k, v at the tokens' cache slots;  a = softmax(q K^T scale) V over each row's paged
+//   context up to its own position (sliding window if any);  x += a Wo^T;
 //   h = rms_norm(x) w2;  g, u = h Wgu^T;  x += (silu(g) u) Wdown^T
 //
 // the same math as engine/models/llama.py's DecoderLayer over engine/attention.py, with the four
 // projections on the quantized kernel (quant_matmul.cpp). At batch 1 a layer is ~25 small torch
 // ops in Python (~5 us each): here it is one call, and attention reads the cache in place
-// instead of gathering a padded copy. Float32 throughout.
+// instead of gathering a padded copy. Float32 throughout. Every row goes through the same
+// instructions whatever else is in the call, so a verification row computes exactly what the
+// same token's decode step would: speculation over quantized weights keeps plain decoding's
+// tokens.
 //
 // Cache layout (kernels/reference.py): [Hkv, num_blocks, block_size, D] for K and V; a slot is
 // block * block_size + offset; block tables are padded with the null block 0.
@@ -120,7 +124,8 @@ void decode_layer(at::Tensor x, const std::vector<at::Tensor>& weights, at::IntA
                   const at::Tensor& norm2, double eps, const at::Tensor& cos,
                   const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
                   const at::Tensor& slots, const at::Tensor& block_tables,
-                  const at::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads,
+                  const at::Tensor& row_tables, const at::Tensor& seq_lens,
+                  int64_t num_heads, int64_t num_kv_heads,
                   double scale, int64_t window) {
 #if TANDEM_HAVE_KERNEL
   TORCH_CHECK(weights.size() == 12 && bits.size() == 4,
@@ -141,15 +146,20 @@ void decode_layer(at::Tensor x, const std::vector<at::Tensor>& weights, at::IntA
               "tandem_cpu: projection shapes do not match the heads");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == batch * head_dim,
               "tandem_cpu: cos, sin must be contiguous [B, (1,) D]");
-  for (const at::Tensor* t : {&slots, &seq_lens, &block_tables}) {
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->size(0) == batch,
-                "tandem_cpu: slots, seq_lens, block_tables must be contiguous int64, B rows");
+  for (const at::Tensor* t : {&slots, &seq_lens, &row_tables}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == batch,
+                "tandem_cpu: slots, row_tables, seq_lens must be contiguous int64 [rows]");
   }
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() &&
+                  block_tables.dim() == 2,
+              "tandem_cpu: block_tables must be contiguous int64 [requests, max_blocks]");
   const Cache kc = view(k_cache, num_kv_heads, head_dim);
   const Cache vc = view(v_cache, num_kv_heads, head_dim);
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* table_of = row_tables.data_ptr<int64_t>();
+  const int64_t num_tables = block_tables.size(0);
   const int64_t table_width = block_tables.size(1);
   float* xs = x.data_ptr<float>();
 
@@ -189,14 +199,15 @@ void decode_layer(at::Tensor x, const std::vector<at::Tensor>& weights, at::IntA
       const int64_t len = lens[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - first;
-      TORCH_CHECK(len >= 1 && (len - 1) / kc.block_size < table_width,
-                  "tandem_cpu: seq_len beyond the block table");
+      TORCH_CHECK(len >= 1 && (len - 1) / kc.block_size < table_width &&
+                      table_of[b] >= 0 && table_of[b] < num_tables,
+                  "tandem_cpu: a row's context is beyond its block table");
+      const int64_t* table = tables + table_of[b] * table_width;
       scores.assign(group * n, 0.0f);
       const float* q = qkv + b * qkv_cols + g * group * head_dim;  // the group's query heads
       for (int64_t t = 0; t < n; ++t) {
         const int64_t pos = first + t;
-        const float* key = kc.at(g, tables[b * table_width + pos / kc.block_size],
-                                 pos % kc.block_size);
+        const float* key = kc.at(g, table[pos / kc.block_size], pos % kc.block_size);
         for (int64_t r = 0; r < group; ++r) {
           scores[r * n + t] = dot(q + r * head_dim, key, head_dim) * static_cast<float>(scale);
         }
@@ -207,8 +218,7 @@ void decode_layer(at::Tensor x, const std::vector<at::Tensor>& weights, at::IntA
       for (int64_t r = 0; r < group; ++r) totals[r] = softmax_unnormalized(&scores[r * n], n);
       for (int64_t t = 0; t < n; ++t) {
         const int64_t pos = first + t;
-        const float* value = vc.at(g, tables[b * table_width + pos / vc.block_size],
-                                   pos % vc.block_size);
+        const float* value = vc.at(g, table[pos / vc.block_size], pos % vc.block_size);
         for (int64_t r = 0; r < group; ++r) axpy(scores[r * n + t], value, o + r * head_dim, head_dim);
       }
       for (int64_t r = 0; r < group; ++r) {
@@ -242,7 +252,8 @@ TORCH_LIBRARY_FRAGMENT(tandem_cpu, lib) {
   lib.def(
       "decode_layer(Tensor(a!) x, Tensor[] weights, int[] bits, Tensor? qkv_bias, Tensor norm1, "
       "Tensor norm2, float eps, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
-      "Tensor slots, Tensor block_tables, Tensor seq_lens, int num_heads, int num_kv_heads, "
+      "Tensor slots, Tensor block_tables, Tensor row_tables, Tensor seq_lens, int num_heads, "
+      "int num_kv_heads, "
       "float scale, int window) -> ()",
       &tandem::decode_layer);
 }
