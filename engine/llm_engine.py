@@ -166,7 +166,9 @@ class LLMEngine:
         self.async_scheduling = (
             device.type == "cuda" if config.async_scheduling is None else config.async_scheduling
         )
-        self.runner.keep_sampled = self.async_scheduling
+        # Sampled tokens stay on the device only for a next step launched before they reach the
+        # host; with a proposer no step overlaps (see _overlappable), so none is kept.
+        self.runner.keep_sampled = self.async_scheduling and self.proposer is None
         self._in_flight: InFlight | None = None  # a launched step not yet collected
         # Groups a step() touched before it raised: their outputs come with the next step().
         self._undelivered: list[RequestGroup] = []

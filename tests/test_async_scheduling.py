@@ -89,6 +89,29 @@ def test_without_the_device_tokens_async_steps_differ(tiny_llama, monkeypatch):
     assert summary(got) != summary(want)
 
 
+def test_with_a_proposer_no_step_keeps_device_tokens(tiny_llama):
+    """Speculating engines never overlap steps, so no step builds device-side sampled tokens
+    for a next step's inputs (they would never be read); the outputs are the sync ones."""
+    prompts, params = workload()
+    kept = []
+    llm = LLM(str(tiny_llama), num_kv_blocks=64, async_scheduling=True, speculative_method="ngram")
+    runner = llm.engine.runner
+    launch = runner.launch
+
+    def recording(*args, **kwargs):
+        out = launch(*args, **kwargs)
+        kept.append(runner.sampled)
+        return out
+
+    runner.launch = recording
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert kept and all(s is None for s in kept)
+    want, _ = run(tiny_llama, prompts, params, speculative_method="ngram", async_scheduling=False)
+    assert summary(got) == summary(want)
+    plain = LLM(str(tiny_llama), num_kv_blocks=64, async_scheduling=True)
+    assert plain.engine.runner.keep_sampled
+
+
 def test_requests_that_need_host_tokens_drain_the_pipeline(tiny_llama):
     """n > 1 forks, penalties and min_tokens read a step's tokens on the host before the next
     step: those steps are collected first, and the outputs equal synchronous steps'."""
