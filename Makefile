@@ -25,7 +25,8 @@ $(CHROMIUM_STAMP):
 	command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
 		&& apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium \
 		>/dev/null; } || echo "warning: no chromium: the browser test will be skipped"
-	touch $@
+	# marked done only once chromium is there (a failed install is tried again next time)
+	if command -v chromium >/dev/null; then touch $@; fi
 
 .PHONY: install run generate test lint
 install: $(STAMP)

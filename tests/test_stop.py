@@ -160,10 +160,19 @@ def test_stop_string_in_prompt_only_is_ignored(llm, continuation):
 
 
 def test_min_tokens_delays_stop_string(llm, continuation):
+    """A stop string inside the first min_tokens outputs is passed over; the next one after
+    them stops the request there (so ignoring stop strings altogether fails this too)."""
     i, s = ascii_run(llm, continuation.token_ids, 1)
     min_tokens = i + 3
     out = complete(llm, greedy(max_tokens=NUM_CONTINUATION, min_tokens=min_tokens, stop=[s]))
-    assert len(out.token_ids) > min_tokens
+    full = llm.tokenizer.decode(continuation.token_ids)
+    # checked from the first token past min_tokens on, a stop string's length back
+    searched_from = len(llm.tokenizer.decode(continuation.token_ids[:min_tokens])) - len(s)
+    at = full.find(s, searched_from)
+    assert at != -1, f"{s!r} does not recur in {full!r}: pick another PROMPT"
+    assert out.finish_reason == "stop" and out.stop_reason == s
+    assert out.text == full[:at] and len(out.token_ids) > min_tokens
+    assert out.token_ids == continuation.token_ids[: len(out.token_ids)]
 
 
 # ---- streaming -----------------------------------------------------------------------------
