@@ -269,7 +269,7 @@ def run(args) -> dict:
     from transformers import AutoConfig
 
     from engine.model_runner import kv_bytes_per_block
-    from engine.models.llama import ModelConfig
+    from engine.models.config import ModelConfig
     from engine.models.registry import resolve_model
     from playground.demo_adapters import write_demo_adapters
 

@@ -28,7 +28,8 @@ from engine.attention import build_metadata, slot_ids
 from engine.cuda_graphs import GraphRunner
 from engine.device import HostCopy, host_tensor, to_device
 from engine.inputs import ForwardItem, SampledTokens, fill_pending, pending_inputs
-from engine.models.llama import LlamaForCausalLM, ModelConfig
+from engine.models.config import ModelConfig
+from engine.models.llama import LlamaForCausalLM
 from engine.request import Request
 from engine.sampler import (
     RequestAt,

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.block_pool import hash_block
+from engine.errors import RequestError
 from engine.sampling_params import SamplingParams
 from spec.adaptive import Acceptance
 from spec.metrics import SpecStats
@@ -19,11 +20,6 @@ if TYPE_CHECKING:
     from lora.adapter import LoRAAdapter
 
 logger = logging.getLogger("tandem.engine")
-
-
-class RequestError(ValueError):
-    """A problem with the request itself that shows only while it runs (e.g. a constraint that
-    admits no continuation): the request ends with this message as a client error (400)."""
 
 
 class RequestStatus(IntEnum):

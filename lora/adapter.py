@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 
 if TYPE_CHECKING:
-    from engine.models.llama import ModelConfig
+    from engine.models.config import ModelConfig
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(

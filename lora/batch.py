@@ -29,7 +29,7 @@ from engine.device import to_device
 from lora.adapter import LoRAAdapter, projection_shapes
 
 if TYPE_CHECKING:
-    from engine.models.llama import ModelConfig
+    from engine.models.config import ModelConfig
 
 # Our fused projections and the PEFT modules inside them, in output order.
 GROUPS = {

@@ -21,7 +21,7 @@ import xgrammar as xgr
 
 from engine.config import MAX_SPECULATIVE_TOKENS
 from engine.device import to_device
-from engine.request import RequestError
+from engine.errors import RequestError
 
 if TYPE_CHECKING:
     from engine.grammar.compiler import GrammarCompiler

@@ -16,8 +16,9 @@ import numpy as np
 import torch
 from gguf import GGUFReader
 
+from engine.models.config import ModelConfig
 from engine.models.gguf_blocks import decode, dequantize_rows
-from engine.models.llama import LlamaForCausalLM, ModelConfig
+from engine.models.llama import LlamaForCausalLM
 from engine.models.quantized import QuantizedWeight
 
 _PERMUTED_ARCHITECTURES = {"llama", "mistral"}  # Q/K rows permuted by llama.cpp's converter

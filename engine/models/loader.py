@@ -12,8 +12,9 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from engine.config import QUANTIZATIONS
+from engine.models.config import ModelConfig
 from engine.models.gguf_loader import load_gguf_weights
-from engine.models.llama import LlamaForCausalLM, ModelConfig, onednn_linear_available
+from engine.models.llama import LlamaForCausalLM, onednn_linear_available
 from engine.models.quant import int8_linear_available
 
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}

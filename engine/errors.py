@@ -1,0 +1,8 @@
+"""Errors the engine's packages raise to each other, in a module that imports nothing of theirs."""
+
+from __future__ import annotations
+
+
+class RequestError(ValueError):
+    """A problem with the request itself that shows only while it runs (e.g. a constraint that
+    admits no continuation): the request ends with this message as a client error (400)."""
