@@ -11,7 +11,8 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q torch==2.13.0 transformers==5.23.0 safetensors==0.8.0 gguf==0.19.0 \
-		xgrammar==0.2.8 peft==0.21.2 pytest==9.2.0 pytest-benchmark==5.3.1 gradio==6.31.0 \
+		xgrammar==0.2.8 peft==0.21.2 pytest==9.2.0 pytest-benchmark==5.3.1 pytest-timeout==2.4.0 \
+		gradio==6.31.0 \
 		fastapi==0.165.0 uvicorn==0.54.0 prometheus-client==0.26.0 openai==3.54.0 \
 		playwright==1.65.2 triton==3.9.0
 	$(BIN)/pip install -q -e ".[dev]"

@@ -51,15 +51,17 @@ def _cpu_flags() -> str:
 
 
 def library_path() -> Path:
-    from engine.models.registry import cache_dir
-
+    """In the Tandem cache ($TANDEM_CACHE_DIR, default ~/.cache/tandem, as the model registry's),
+    under a name keyed by what the build depends on."""
+    cache = os.environ.get("TANDEM_CACHE_DIR")
+    cache_dir = Path(cache).expanduser() if cache else Path.home() / ".cache" / "tandem"
     key = hashlib.sha256()
     for source in SOURCES:
         key.update(source.read_bytes())
     for header in sorted((Path(__file__).parent / "cpu").glob("*.h")):
         key.update(header.read_bytes())
     key.update(" ".join([torch.__version__, *FLAGS, _cpu_flags()]).encode())
-    return cache_dir() / "kernels" / f"tandem_cpu_{key.hexdigest()[:16]}.so"
+    return cache_dir / "kernels" / f"tandem_cpu_{key.hexdigest()[:16]}.so"
 
 
 def build(verbose: bool = False) -> Path:
