@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_lora import dot_precision
+from kernels.triton_common import dot_precision
 
 # Split-KV decode: how many (request, KV head, split) programs to aim for (a few per SM slot of
 # an H100's 132 SMs), the most splits per request, and how many splits the merge reads per

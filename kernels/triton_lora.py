@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_common import dot_precision
+
 BLOCK_M = 16  # rows per program (tl.dot's minimum)
 
 
@@ -141,13 +143,6 @@ def _lora_expand_kernel(
         mask = mask_m[:, None] & mask_n[None, :]
         y = tl.load(y_ptrs, mask=mask, other=0.0)
         tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask)
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    """tl.dot's input_precision for operands stored in dtype: float32 stays float32 (Triton's
-    default on NVIDIA rounds it to TF32's 10-bit mantissa; the torch path is the oracle);
-    bf16/fp16 values are exact in TF32."""
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def lora_shrink(

@@ -1,5 +1,5 @@
 """The Triton kernels compile for NVIDIA GPUs (sm_80, sm_90) at the engine's launches, without
-spilling registers or overrunning shared memory: kernels/compile_check, which lowers them with
+spilling registers or overrunning shared memory: bench/compile_check, which lowers them with
 the Triton wheel's own compiler and ptxas, no GPU needed. The interpreter the other kernel tests
 use never lowers a kernel, so it cannot see these failures; the broken variants below pass under
 it and fail here."""
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = """
 import json, sys
 {patch}
-from kernels import compile_check
+from bench import compile_check
 results = compile_check.check({models}, ["bfloat16"], {block_sizes}, [80, 90], {kernels})
 print(json.dumps([
     dict(kernel=r.launch.kernel.fn.__name__, arch=r.arch, case=r.launch.case, regs=r.regs,

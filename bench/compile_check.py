@@ -1,6 +1,6 @@
 """Compile the Triton kernels for NVIDIA GPUs on a machine without one.
 
-    python -m kernels.compile_check [--arch 80,90] [--models smollm2,...] [--dtypes bfloat16]
+    python -m bench.compile_check [--arch 80,90] [--models smollm2,...] [--dtypes bfloat16]
 
 The interpreter (TRITON_INTERPRET=1, how the tests run the kernels on CPU) executes a kernel's
 Python with numpy: it never lowers it, so it cannot see what only the GPU compiler rejects or
