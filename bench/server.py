@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- server: its own process, as deployed (the clients' work does not share its GIL) ----
     port = free_port()
-    command = [sys.executable, "-m", "engine.cli", "serve", "--model", MODEL, "--port", str(port)]
+    command = [sys.executable, "-m", "playground.cli", "serve", "--model", MODEL]
+    command += ["--port", str(port)]
     command += ["--threads", "1", "--kv-cache-memory-bytes", str(1 << 30), "--no-prefix-caching"]
     command += ["--quantization", "none"]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -3,7 +3,7 @@
     python -m bench.soak [--requests 2000] [--minutes 10] [--clients 32] [--model M]
                          [--kv-blocks 48] [--templates 48] [--abort-rate 0.1] [--seed 0]
 
-The server runs in its own process as deployed (`python -m engine.cli serve`): n-gram
+The server runs in its own process as deployed (`python -m playground.cli serve`): n-gram
 speculation, the two demo PEFT adapters, an API key, and a KV pool of --kv-blocks blocks (small
 by default, so that preemption storms happen under load). A pool of --templates distinct greedy
 requests mixes completions and chats, a shared system prompt, n = 1 or 2, the base model and
@@ -230,7 +230,7 @@ def start_server(args, adapters: dict[str, str]) -> tuple[subprocess.Popen, str]
     command = [
         sys.executable,
         "-m",
-        "engine.cli",
+        "playground.cli",
         "serve",
         "--model",
         args.model,

@@ -552,7 +552,7 @@ def test_command_line_starts_and_answers(tiny_llama, command):
     from playground.launch import free_port
 
     port = free_port()
-    args = [sys.executable, "-m", "engine.cli", command, "--model", str(tiny_llama)]
+    args = [sys.executable, "-m", "playground.cli", command, "--model", str(tiny_llama)]
     args += ["--port", str(port), "--threads", "1", "--api-key", API_KEY]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"

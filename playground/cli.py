@@ -1,5 +1,6 @@
 """`tandem` command line: generate, serve (OpenAI-compatible HTTP), playground (server + UI),
-bench."""
+bench. It sits above the packages it dispatches to: engine/ imports no web module and no
+benchmark."""
 
 from __future__ import annotations
 
