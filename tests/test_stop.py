@@ -388,9 +388,21 @@ def test_preemption_happened_and_tokens_unchanged(llm, preempted_run):
         assert out.outputs[0].token_ids == complete(llm, greedy(max_tokens=40), prompt).token_ids
 
 
-def test_prompt_logprobs_survive_preemption(preempted_run):
+def test_prompt_logprobs_survive_preemption(llm, preempted_run):
+    """A preempted request's prompt logprobs are the ones it gets unpreempted: one entry per
+    prompt token (none for the first), the same tokens, ranks and values (recomputing the
+    prompt after preemption neither drops nor repeats them)."""
     _, prompts, outs = preempted_run
-    assert [len(o.prompt_logprobs) for o in outs] == [len(p) for p in prompts]
+    for prompt, out in zip(prompts, outs, strict=True):
+        want = llm.generate([prompt], greedy(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+        want = want[0].prompt_logprobs
+        assert len(out.prompt_logprobs) == len(prompt) == len(want)
+        assert out.prompt_logprobs[0] is None and want[0] is None
+        for got_pos, want_pos in zip(out.prompt_logprobs[1:], want[1:], strict=True):
+            assert got_pos.keys() == want_pos.keys()
+            for token, lp in want_pos.items():
+                assert got_pos[token].rank == lp.rank
+                assert got_pos[token].logprob == pytest.approx(lp.logprob, rel=1e-5, abs=1e-6)
 
 
 # ---- n > 1 ---------------------------------------------------------------------------------
