@@ -167,18 +167,16 @@ def build_metadata(
     backend: str = "torch",
     fused_decode: bool = False,
 ) -> AttentionMetadata:
-    """fused_decode: the model's layers run a step of single-token queries in one call each
-    (engine.models.llama.DecoderLayer.fused); such a step gets a DecodeBatch only."""
-    short = [i for i, n in enumerate(query_lens) if n <= MAX_BATCHED_QUERY_LEN]
-    if fused_decode and short:
-        return AttentionMetadata(
-            slot_mapping,
-            [],
-            [],
-            decode=_decode_batch(
+    """fused_decode: the model's layers run short-query rows (decode, verification) in one call
+    each (engine.models.llama.DecoderLayer.fuse); a step with such rows gets a DecodeBatch, and
+    its other rows, if any, their own metadata inside it."""
+    if fused_decode:
+        short = [i for i, n in enumerate(query_lens) if n <= MAX_BATCHED_QUERY_LEN]
+        if short:
+            decode = _decode_batch(
                 short, seq_lens, query_lens, block_tables, slot_mapping, block_size, sliding_window
-            ),
-        )
+            )
+            return AttentionMetadata(slot_mapping, [], [], decode=decode)
     if backend == "triton":
         return AttentionMetadata(
             slot_mapping, [], [], _varlen(seq_lens, query_lens, block_tables, block_size)
@@ -240,13 +238,15 @@ def _decode_batch(
             row_tables.append(j)
             row_lens.append(seq_lens[i] - query_lens[i] + t + 1)
             rows.append(row_starts[i] + t)
-    width = max(-(-seq_lens[i] // block_size) for i in short)
-    tables = padded_rows([block_tables[i][: -(-seq_lens[i] // block_size)] for i in short], width)
+    tables = _padded_tables(
+        [block_tables[i] for i in short], [seq_lens[i] for i in short], block_size
+    )
     if len(short) == len(query_lens):
         return DecodeBatch(
             tables.long(), host_tensor(row_tables), host_tensor(row_lens), slot_mapping
         )
-    long = [i for i in range(len(query_lens)) if i not in set(short)]
+    in_short = set(short)
+    long = [i for i in range(len(query_lens)) if i not in in_short]
     other_rows = host_tensor([r for i in long for r in range(row_starts[i], row_starts[i + 1])])
     rows_t = host_tensor(rows)
     other = build_metadata(
@@ -268,14 +268,21 @@ def _decode_batch(
     )
 
 
-def _varlen(
-    seq_lens: list[int], query_lens: list[int], block_tables: list[list[int]], block_size: int
-) -> VarlenBatch:
+def _padded_tables(
+    block_tables: list[list[int]], seq_lens: list[int], block_size: int
+) -> torch.Tensor:  # [len(block_tables), max blocks] int32, padded with the null block
+    """Each request's blocks that hold its seq_len tokens, as one table."""
     width = max(-(-n // block_size) for n in seq_lens)
-    tables = padded_rows(
+    return padded_rows(
         [table[: -(-n // block_size)] for table, n in zip(block_tables, seq_lens, strict=True)],
         width,
     )
+
+
+def _varlen(
+    seq_lens: list[int], query_lens: list[int], block_tables: list[list[int]], block_size: int
+) -> VarlenBatch:
+    tables = _padded_tables(block_tables, seq_lens, block_size)
     starts = host_tensor([0, *itertools.accumulate(query_lens)], torch.int32)
     return VarlenBatch(starts, host_tensor(seq_lens, torch.int32), tables, max(query_lens))
 

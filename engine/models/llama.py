@@ -214,7 +214,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_quantized: QuantizedEmbedding | None = None
         self.lm_head_quantized: QuantizedLinear | None = None
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.fused_decode = False  # decode steps run each layer as one C++ call (fuse_decode)
+        self.fused_decode = False  # short-query rows run each layer as one C++ call (fuse_decode)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # [vocab, hidden], shared with the embedding when tied; F.linear reads it as is.
         self.lm_head_packed: torch.Tensor | None = None  # oneDNN copy for more than one row
@@ -297,8 +297,8 @@ class LlamaForCausalLM(nn.Module):
         self.set_quantized_embeddings(embed, head, device, dtype)
 
     def fuse_decode(self) -> bool:
-        """Decode steps through kernels/cpu/decode_layer.cpp where every layer can (quantized
-        projections on the tandem kernel, float32): see DecoderLayer.fuse."""
+        """Short-query rows through kernels/cpu/decode_layer.cpp where every layer can (float32,
+        quantized projections on the tandem kernel): see DecoderLayer.fuse."""
         fp32 = self.norm.weight.dtype == torch.float32
         self.fused_decode = fp32 and all([layer.fuse() for layer in self.layers])
         return self.fused_decode

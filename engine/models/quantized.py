@@ -204,7 +204,7 @@ class QuantizedLinear:
         self.out_features, self.in_features = weight.out_features, weight.in_features
         self.bits = weight.bits
         self.backend = backend or choose_backend(device, weight.out_features)
-        self.bf16_gemm = bf16_gemm and bf16_gemm_is_fast()
+        self.bf16_gemm = self.backend == "tandem" and bf16_gemm and bf16_gemm_is_fast()
         self.bias = None if bias is None else bias.to(device=device, dtype=dtype)
         if self.backend == "tandem":
             self.codes, self.scales, self.offsets = _pack_tandem(weight)

@@ -193,7 +193,7 @@ void decode_layer(at::Tensor x, const std::vector<at::Tensor>& weights, at::IntA
   }
   const int64_t group = num_heads / num_kv_heads;
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores;
+    std::vector<float> scores, totals(group);  // per worker, reused across its tasks
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t b = task / num_kv_heads, g = task % num_kv_heads;
       const int64_t len = lens[b];
@@ -214,7 +214,6 @@ void decode_layer(at::Tensor x, const std::vector<at::Tensor>& weights, at::IntA
       }
       float* o = attn + b * q_size + g * group * head_dim;
       std::fill_n(o, group * head_dim, 0.0f);
-      std::vector<float> totals(group);
       for (int64_t r = 0; r < group; ++r) totals[r] = softmax_unnormalized(&scores[r * n], n);
       for (int64_t t = 0; t < n; ++t) {
         const int64_t pos = first + t;
