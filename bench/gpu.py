@@ -19,8 +19,8 @@ synchronize for whole runs; model loading and warm-up are excluded.
   seven projections, 8 rows each.
 - verify: one speculative step's sampling of 64 temperature-1 requests with 4 one-hot drafts
   each over the largest model's vocabulary: the [320, V] logits to the host and
-  spec.rejection.verify there (the engine before sampling moved to the device) against the
-  engine's path, spec.rejection.verify_batched with kernels.triton_rejection (softmax, the
+  engine.rejection.verify there (the engine before sampling moved to the device) against the
+  engine's path, engine.rejection.verify_batched with kernels.triton_rejection (softmax, the
   draws and both kernels on the device, 64 x 5 tokens back).
 - decode: the engine at batch 1 (prompt 512, 128 new tokens): decode tokens/s against the
   roofline (weights + the KV read per step, over the copy bandwidth), with CUDA graphs and
@@ -274,13 +274,13 @@ def bench_lora(model_dir: Path) -> dict:
 
 
 def bench_verify(vocab: int) -> dict:
-    """Sampling a verify step: the [R, V] logits to the host and spec.rejection.verify there
+    """Sampling a verify step: the [R, V] logits to the host and engine.rejection.verify there
     (the engine before sampling moved to the device) vs. the engine's path now,
-    spec.rejection.verify_batched on the device with the fused kernel (softmax, the draws and
+    engine.rejection.verify_batched on the device with the fused kernel (softmax, the draws and
     both kernels there; tokens back in one copy)."""
     from engine.device import to_host
+    from engine.rejection import VerifyRow, verify, verify_batched
     from kernels.triton_rejection import rejection_verify
-    from spec.rejection import VerifyRow, verify, verify_batched
 
     num_reqs, num_drafts = SIZES["verify"]
     rows_each = num_drafts + 1

@@ -166,7 +166,7 @@ def bench_batch(llms, batch: int, max_tokens: int, repeats: int) -> dict:
     for _ in range(repeats):
         for mode, llm in llms.items():
             params = plain if mode == "unconstrained" else constrained
-            spec_before = llm.engine.spec_stats.as_dict()
+            spec_before = llm.engine.speculation.stats.as_dict()
             grammar_before = llm.engine.grammar.seconds
             gc.collect()
             seconds, outs = run(llm, prompts, params, batch)
@@ -178,7 +178,7 @@ def bench_batch(llms, batch: int, max_tokens: int, repeats: int) -> dict:
                 assert [len(t) for t in got] == lengths
             else:
                 assert got == [o.outputs[0].token_ids for o in ref], f"{mode}: outputs differ"
-            after = llm.engine.spec_stats.as_dict()
+            after = llm.engine.speculation.stats.as_dict()
             stats[mode] = {
                 k: after[k] - spec_before[k]
                 for k in ("num_forced", "num_forced_accepted", "num_drafts", "num_accepted")

@@ -151,7 +151,7 @@ def self_speculation(repeats: int) -> tuple[float, float, list[float], bool]:
             rates["plain"].append(a)
             rates["self"].append(b)
             equal &= ids_plain == ids_spec
-    by_position = spec.engine.spec_stats.acceptance_by_position
+    by_position = spec.engine.speculation.stats.acceptance_by_position
     return statistics.median(rates["plain"]), statistics.median(rates["self"]), by_position, equal
 
 

@@ -106,19 +106,19 @@ def compare_latency(name, make_llm, texts, params, spec_args, k) -> dict:
         llm = LLM(name, quantization=None, **make_llm, **args)
         prompts = chat_prompts(llm, texts)
         latency(llm, prompts[:1], params)  # warm-up (and the adaptive planner's first fits)
-        llm.engine.spec_stats.__init__()  # count the timed runs only
-        llm.engine.spec_time.update(draft=0.0, verify=0.0)
+        llm.engine.speculation.stats.__init__()  # count the timed runs only
+        llm.engine.speculation.seconds.update(draft=0.0, verify=0.0)
         seconds, got = latency(llm, prompts, params)
         want = want or got
-        stats = llm.engine.spec_stats
+        stats = llm.engine.speculation.stats
         out[mode] = {
             "ms_per_token": 1e3 * seconds,
             "equal": sum(a == b for a, b in zip(want, got, strict=True)),
             "n": len(want),
             "acceptance_by_position": stats.acceptance_by_position,
             "mean_accepted_length": stats.mean_accepted_length,
-            "draft_s": llm.engine.spec_time["draft"],
-            "target_s": llm.engine.spec_time["verify"],
+            "draft_s": llm.engine.speculation.seconds["draft"],
+            "target_s": llm.engine.speculation.seconds["verify"],
         }
         del llm
         gc.collect()
@@ -143,7 +143,7 @@ def sweep_prompts(llm, n: int, workload: str) -> list[list[int]]:
 
 def draft_share(engine) -> float:
     """Share of decode request-steps that carried drafts."""
-    stats = engine.spec_stats
+    stats = engine.speculation.stats
     request_steps = engine.num_generated_tokens - stats.num_accepted
     return stats.num_steps / request_steps if request_steps else 0.0
 
@@ -165,7 +165,7 @@ def sweep(batches, k, max_tokens, repeats, workload) -> dict[int, dict[str, floa
         for _ in range(repeats):  # alternate the modes so that load changes hit them alike
             for mode, llm in llms.items():
                 llm.generate(prompts[:1], params, use_tqdm=False)
-                llm.engine.spec_stats.__init__()
+                llm.engine.speculation.stats.__init__()
                 llm.engine.num_generated_tokens = 0
                 t0 = time.perf_counter()
                 outs = llm.generate(prompts, params, use_tqdm=False)

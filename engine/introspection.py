@@ -39,7 +39,7 @@ def lora_state(engine) -> dict:
     slots = engine.runner.lora_slots
     return {
         "enabled": slots is not None,
-        "loaded": list(engine.loras),
+        "loaded": list(engine.adapters),
         "slots": [a.name if a else None for a in slots.resident[1:]] if slots else [],
         "slot_loads": slots.num_loads if slots else 0,
     }
@@ -94,17 +94,10 @@ def snapshot(engine) -> dict:
         "kv_slots_allocated": allocated,
         "kv_utilization": stored / allocated if allocated else 1.0,
         "num_steps": engine.num_steps,
-        "num_overlapped_steps": engine.num_overlapped_steps,
+        "num_overlapped_steps": engine.pipeline.num_overlapped_steps,
         "num_request_errors": engine.num_request_errors,
         "num_generated_tokens": engine.num_generated_tokens,
         "grammar": grammar_state(engine.grammar),
         "lora": lora_state(engine),
-        "speculation": {
-            "method": engine.config.spec_method,
-            **engine.spec_stats.as_dict(),
-            "draft_seconds": engine.spec_time["draft"],
-            "verify_seconds": engine.spec_time["verify"],
-            "adaptive": engine.adaptive.describe() if engine.adaptive is not None else None,
-            "by_adapter": {name: s.as_dict() for name, s in engine.spec_by_adapter.items()},
-        },
+        "speculation": engine.speculation.describe(engine.config.spec_method),
     }

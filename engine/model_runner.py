@@ -9,7 +9,7 @@ launched.
 Inputs are built on the host and copied to the model's device; the KV cache and the weights live
 there (CUDA: bf16 by default). Sampling runs where the logits are: greedy requests that nothing
 reshapes (no bias, penalties, bans, grammar or logprobs) take their rows' argmax; the others go
-through grammar masks, the logits pipeline and batched verification (spec.rejection.
+through grammar masks, the logits pipeline and batched verification (engine.rejection.
 verify_batched; the fused Triton kernel with the Triton backend) in float32, and their logprobs
 are gathered there, as are prompt logprobs. Only token ids, acceptance counts and the logprobs
 asked for come back, in one copy that waits for the device once. Random draws come from
@@ -30,6 +30,7 @@ from engine.device import HostCopy, host_tensor, to_device
 from engine.inputs import ForwardItem, SampledTokens, fill_pending, pending_inputs
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
+from engine.rejection import VerifyResult, VerifyRow, verify_batched, verify_greedy
 from engine.request import Request
 from engine.sampler import (
     RequestAt,
@@ -41,7 +42,6 @@ from engine.sampler import (
 from engine.scheduler import SchedulerOutput
 from kernels import reference
 from lora.batch import LoRABatch, LoRASlots
-from spec.rejection import VerifyResult, VerifyRow, verify_batched, verify_greedy
 
 # token id -> (logprob, rank) for one position
 RawLogprobs = dict[int, tuple[float, int]]

@@ -1,10 +1,18 @@
-"""Public output types, shaped like vLLM's so client code carries over."""
+"""Public output types, shaped like vLLM's so client code carries over, and the request group
+that builds them from its completions' state."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
-from spec.metrics import SpecStats
+from engine.request import FINISH_REASONS, Request
+from engine.sampling_params import RequestOutputKind
+from engine.spec_stats import SpecStats
+
+if TYPE_CHECKING:
+    from engine.detokenizer import IncrementalDetokenizer
 
 
 @dataclass(slots=True)
@@ -134,3 +142,100 @@ class OutputAccumulator:
         out.outputs = sorted(self._completions.values(), key=lambda c: c.index)
         self._reset()
         return out
+
+
+def decode_logprobs(decode, raw: dict[int, tuple[float, int]]) -> PositionLogprobs:
+    """One position's raw (logprob, rank) per token id, with each token's text (decode: the
+    engine's ExactDecoder). Done once per position, when it is produced: outputs repeat it."""
+    return {
+        t: Logprob(lp, rank, decode([t], skip_special_tokens=False))
+        for t, (lp, rank) in raw.items()
+    }
+
+
+class RequestGroup:
+    """What the user submitted: one prompt, n completions (one Request and one detokenizer
+    each), and what of them a DELTA stream has already carried."""
+
+    def __init__(self, request_id: str, prompt: str | None, requests: list[Request], detoks):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.requests = requests
+        self.detokenizers: list[IncrementalDetokenizer] = detoks
+        self.metrics = RequestMetrics(arrival_time=time.monotonic())
+        self.sent: list[Sent] = [NOTHING_SENT] * len(requests)  # DELTA: per completion
+        self.sent_prompt_logprobs = False
+
+    @property
+    def finished(self) -> bool:
+        return all(r.is_finished for r in self.requests)
+
+    @property
+    def failed(self) -> Request | None:
+        """The request whose own processing failed (Request.fail), if one did."""
+        return next((r for r in self.requests if r.error), None)
+
+    def make_output(self, with_spec: bool) -> RequestOutput | None:
+        """The group's output after a step that touched it, as its output_kind asks: everything
+        so far (CUMULATIVE), what is new (DELTA: completions with nothing new are left out),
+        or nothing until it has finished (FINAL_ONLY). with_spec: the engine speculates, so
+        metrics carry the group's speculation counters."""
+        finished = self.finished
+        kind = self.requests[0].params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        completions = []
+        for request, detok in zip(self.requests, self.detokenizers, strict=True):
+            visible = detok.visible_len(request.is_finished)
+            chars = tokens = 0
+            if kind == RequestOutputKind.DELTA:
+                chars, tokens, _ = sent = self.sent[request.index]
+                sent = advance(sent, visible, request.num_output_tokens, request.is_finished)
+                if sent is None:
+                    continue  # nothing new of this completion
+                self.sent[request.index] = sent
+            completions.append(completion(request, detok.text[chars:visible], tokens))
+        leader, failed = self.requests[0], self.failed
+        prompt_lps = None
+        if leader.params.prompt_logprobs is not None and not self.sent_prompt_logprobs:
+            prompt_lps = [None, *leader.prompt_logprobs]
+            self.sent_prompt_logprobs = kind == RequestOutputKind.DELTA
+        metrics = self.metrics
+        if finished and metrics.finished_time is None:
+            metrics.finished_time = time.monotonic()
+        metrics.num_cached_tokens = max(0, leader.num_cached_tokens)
+        metrics.num_preemptions = sum(r.num_preemptions for r in self.requests)
+        if with_spec:
+            metrics.spec = SpecStats.merged(r.spec for r in self.requests)
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=leader.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            prompt_logprobs=prompt_lps,
+            metrics=metrics,
+            num_cached_tokens=metrics.num_cached_tokens,
+            error=failed.error if failed else None,
+            error_status=failed.error_status if failed else None,
+        )
+
+
+def completion(request: Request, text: str, tokens: int) -> CompletionOutput:
+    """One completion after its first `tokens` tokens (0: all of it), `text` the matching part
+    of its text. Lists are copies: later steps extend the request's own. rejected_drafts keep
+    their indices into the whole completion."""
+    with_logprobs = request.params.logprobs is not None
+    start = request.num_prompt_tokens + tokens
+    rejected = request.rejected_drafts
+    return CompletionOutput(
+        index=request.index,
+        text=text,
+        token_ids=request.token_ids[start:],
+        cumulative_logprob=request.cumulative_logprob if with_logprobs else None,
+        logprobs=request.logprobs[tokens:] if with_logprobs else None,
+        finish_reason=FINISH_REASONS.get(request.status),
+        stop_reason=request.stop_reason,
+        token_kinds="".join(request.token_kinds[tokens:]),
+        rejected_drafts=[r for r in rejected if r[0] >= tokens] if tokens else list(rejected),
+    )

@@ -12,8 +12,7 @@ import torch
 from engine.block_pool import hash_block
 from engine.errors import RequestError
 from engine.sampling_params import SamplingParams
-from spec.adaptive import Acceptance
-from spec.metrics import SpecStats
+from engine.spec_stats import SpecStats
 
 if TYPE_CHECKING:
     from engine.grammar.matcher import RequestGrammar
@@ -119,14 +118,13 @@ class Request(TokenHistory):
         # forced_token_ids: tokens a constraint forces next, verified ahead of the proposals;
         # spec_token_ids / draft_probs: this step's drafts ([d, V] q, None when one-hot);
         # num_draft_computed: tokens whose KV the draft model holds (it may lag the target);
-        # acceptance: the decayed outcomes adaptive speculation plans with.
+        # spec: its speculation counters.
         self.num_spec_wanted = 0
         self.forced_token_ids: list[int] = []
         self.spec_token_ids: list[int] = []
         self.draft_probs: torch.Tensor | None = None
         self.num_draft_computed = 0
         self.spec = SpecStats()
-        self.acceptance = Acceptance()
         self.grammar: RequestGrammar | None = None  # set when params.structured_outputs is
         # Where each output token came from (TOKEN_KINDS), and the drafts the target rejected:
         # (output position of the token that replaced them, their ids). step_kinds and

@@ -167,7 +167,7 @@ def rejection_verify(
     noise: torch.Tensor,  # [R, V] float32 Exp(1), the race of the row where a token is drawn
     max_rows: int,  # the largest 1 + drafts in the batch
 ) -> tuple[torch.Tensor, torch.Tensor]:  # tokens [B, max_rows] (-1 past the emitted), [B]
-    """spec.rejection.verify over a whole batch given its random draws (the oracle of
+    """engine.rejection.verify over a whole batch given its random draws (the oracle of
     kernels.triton_rejection). Every row first draws its candidate: the argmax on greedy rows,
     else the race argmax w / E with w = max(p - q, 0) on has_q rows before the last (p when
     that residual is empty) and w = p elsewhere. Draft j is accepted on greedy and one-hot rows

@@ -1,6 +1,6 @@
 """Fused speculative verification (rejection sampling) in two launches behind one launcher that
 checks shapes and sets the grids. Reference: kernels/reference.rejection_verify, which is
-spec.rejection.verify over a whole batch given the same random draws.
+engine.rejection.verify over a whole batch given the same random draws.
 
 A batch of B requests owns R = sum(1 + drafts) rows of target probabilities p; row j of a request
 scored the prefix ending at its draft j (the last row: the bonus position).

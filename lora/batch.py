@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.device import to_device
 from lora.adapter import LoRAAdapter, projection_shapes
 
 if TYPE_CHECKING:
@@ -104,7 +103,9 @@ class LoRASlots:
                 self.a[key] = torch.zeros(self.max_loras + 1, size_in, self.max_rank, **stack)
                 self.b[key] = torch.zeros(self.max_loras + 1, self.max_rank, size_out, **stack)
             r = a.shape[1]
-            a, b = to_device((a, b), self.a[key].device)  # without waiting for the device
+            if self.device.type == "cuda":  # page-locked: the copies need not wait for the device
+                a, b = a.pin_memory(), b.pin_memory()
+            a, b = a.to(self.device, non_blocking=True), b.to(self.device, non_blocking=True)
             self.a[key][slot, :, :r] = a
             self.b[key][slot, :r, :] = b
         self.resident[slot] = adapter

@@ -20,8 +20,6 @@ from lora.adapter import LoRARequest
 if TYPE_CHECKING:
     from playground.server import ServerState
 
-DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
-
 
 def add_server_args(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -60,7 +58,9 @@ def add_server_args(parser: argparse.ArgumentParser, port: int) -> None:
         default=None,
         help="schedule the next step while the device runs this one (default: on with CUDA)",
     )
-    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    parser.add_argument(
+        "--max-body-bytes", type=int, default=None, help="request body limit (default 4 MiB)"
+    )
 
 
 def parse_loras(specs: list[str]) -> dict[str, LoRARequest]:
@@ -102,12 +102,13 @@ def build_state(args: argparse.Namespace, adapters: dict[str, LoRARequest]) -> S
     engine = LLMEngine(config)
     for adapter in adapters.values():  # load now: a bad adapter fails at start, not per request
         engine.load_lora(adapter)
+    limits = {"max_body_bytes": args.max_body_bytes} if args.max_body_bytes else {}
     return ServerState(
         AsyncEngine(engine),
         args.served_model_name or args.model,
         adapters,
         api_key=args.api_key,
-        max_body_bytes=args.max_body_bytes,
+        **limits,
     )
 
 

@@ -22,11 +22,11 @@ from engine.outputs import RequestOutput
 from lora.adapter import LoRARequest
 from playground import protocol
 from playground.async_engine import AsyncEngine, EngineDeadError, RequestStream
-from playground.launch import DEFAULT_MAX_BODY_BYTES
 from playground.metrics import ServerMetrics
 from playground.protocol import APIError, ResponseContext
 
 _DISCONNECT_POLL_S = 0.2
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # request bodies past it get a 413
 
 
 @dataclass

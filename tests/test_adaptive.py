@@ -209,8 +209,9 @@ def test_adaptive_switches_a_useless_draft_off(tiny_llama, draft_model):
     fixed = LLM(str(tiny_llama), draft_model=str(draft_model), adaptive_speculation=False)
     adaptive = LLM(str(tiny_llama), draft_model=str(draft_model))
     assert generate(fixed, prompts) == generate(adaptive, prompts)
-    assert fixed.engine.spec_stats.acceptance_rate < 0.2
-    assert adaptive.engine.spec_stats.num_drafts < 0.2 * fixed.engine.spec_stats.num_drafts
+    fixed_stats, adaptive_stats = fixed.engine.speculation.stats, adaptive.engine.speculation.stats
+    assert fixed_stats.acceptance_rate < 0.2
+    assert adaptive_stats.num_drafts < 0.2 * fixed_stats.num_drafts
     view = adaptive.engine.snapshot()["speculation"]["adaptive"]
     assert view["ready"] and view["target_cost"]["seconds_per_row"] >= 0.0
     assert view["draft_cost"]["fixed_seconds"] > 0.0 and view["engine_acceptance"] < 0.5
@@ -231,7 +232,7 @@ def test_adaptive_keeps_free_drafts_that_land():
     out = generate(llm, [prompt], params)
     plain = LLM(SMOL, quantization=None, num_kv_blocks=64)
     assert out == generate(plain, [prompt], params)
-    stats = llm.engine.spec_stats
+    stats = llm.engine.speculation.stats
     assert stats.acceptance_rate > 0.5 and stats.mean_accepted_length > 2.5
     assert stats.num_steps >= 0.8 * (llm.engine.num_steps - 1)  # the prefill step drafts nothing
 
@@ -245,10 +246,10 @@ def test_draft_lags_while_off_and_prefix_hits_know_its_kv(tiny_llama):
     off = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, num_speculative_tokens=0)
     on = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, num_speculative_tokens=2)
     first = generate(llm, [prompt], off)
-    assert engine.spec_stats.num_drafts == 0
+    assert engine.speculation.stats.num_drafts == 0
     assert sum(engine.kv.pool.draft_ready) == 0  # the draft never ran
     assert generate(llm, [prompt], on) == first  # hits the cache, catches the draft up
-    assert engine.kv.num_hit_tokens >= 28 and engine.spec_stats.num_accepted > 0
+    assert engine.kv.num_hit_tokens >= 28 and engine.speculation.stats.num_accepted > 0
     assert sum(engine.kv.pool.draft_ready) >= 7
     engine.add_request("third", prompt, on)
     engine.step()
@@ -271,7 +272,7 @@ def test_seeded_sampling_unchanged_by_adaptive_speculation():
     ps = [SamplingParams(temperature=0.8, top_p=0.95, seed=7 + i, max_tokens=24) for i in range(3)]
     want = generate(LLM(SMOL, quantization=None, num_kv_blocks=128), prompts, ps)
     assert generate(llm, prompts, ps) == want
-    assert llm.engine.spec_stats.num_accepted > 0
+    assert llm.engine.speculation.stats.num_accepted > 0
 
 
 # ---- int8 draft models --------------------------------------------------------------------------
@@ -308,4 +309,4 @@ def test_int8_self_draft_on_real_weights_is_lossless_and_mostly_accepted():
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     plain = LLM("smollm2-135m-instruct", quantization=None, num_kv_blocks=64)
     assert generate(llm, [prompt], params) == generate(plain, [prompt], params)
-    assert 0.5 < llm.engine.spec_stats.acceptance_rate < 1.0  # 0.71-0.75 here (AVX-512 VNNI)
+    assert 0.5 < llm.engine.speculation.stats.acceptance_rate < 1.0  # 0.71-0.75 here (AVX-512 VNNI)

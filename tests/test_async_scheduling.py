@@ -155,10 +155,10 @@ def test_forced_tokens_wait_for_the_token_in_flight(tiny_llama):
             return replay.get(tuple(request.prompt_token_ids), [])[n : n + min(limit, 2)]
 
     llm = LLM(str(tiny_llama), num_kv_blocks=64, async_scheduling=True)
-    llm.engine.forced_tokens = Replay()
+    llm.engine.speculation.forced_tokens = Replay()
     got = llm.generate(prompts, params, use_tqdm=False)
     assert summary(got) == summary(want)
-    stats, snap = llm.engine.spec_stats, llm.engine.snapshot()
+    stats, snap = llm.engine.speculation.stats, llm.engine.snapshot()
     assert stats.num_forced > 0 and stats.num_forced_accepted == stats.num_forced
     assert snap["num_overlapped_steps"] > 0
     assert snap["num_free_blocks"] == snap["num_blocks"]
@@ -189,7 +189,8 @@ def test_abort_while_a_step_is_in_flight(tiny_llama):
                 finals[out.request_id] = out
         steps += 1
         if steps == 3:
-            assert engine._in_flight is not None  # the abort lands between launch and collect
+            # The abort lands between launch and collect.
+            assert engine.pipeline.in_flight is not None
             engine.abort_request(["r0", "r4"])
     for i, expected in enumerate(want):
         if i not in (0, 4):
@@ -216,7 +217,7 @@ def test_a_failed_step_requeues_its_requests(tiny_llama, monkeypatch, where):
 
     def failing_once(*args):
         if next(calls) == 4:
-            assert where == "wait" or engine._in_flight is not None
+            assert where == "wait" or engine.pipeline.in_flight is not None
             raise RuntimeError("injected")
         return real(*args)
 
@@ -309,7 +310,7 @@ def test_a_failed_launch_mid_prefill_keeps_prompt_logprobs_once(tiny_llama, monk
 
     def launch_failing_second(self, *args):
         if next(calls) == 1:
-            assert engine._in_flight is not None  # the first chunk is still in flight
+            assert engine.pipeline.in_flight is not None  # the first chunk is still in flight
             raise RuntimeError("injected")
         return real(self, *args)
 
@@ -355,7 +356,7 @@ def test_blocks_a_lost_step_was_to_fill_leave_the_prefix_cache(tiny_llama, monke
 
     def wait(self):
         if next(calls) == fail_at:
-            for lost in (self, engine._in_flight and engine._in_flight.launched):
+            for lost in (self, engine.pipeline.in_flight and engine.pipeline.in_flight.launched):
                 for s in lost.slots if lost else []:
                     engine.runner.kv_caches[:, :, :, s // bs, s % bs] = 1e4
             raise RuntimeError("injected")
@@ -389,7 +390,7 @@ def test_static_buffers_read_the_device_tokens(tiny_llama):
     runner = llm.engine.runner
     runner.use_graphs(8, llm.engine.max_model_len, 1)
     got = llm.generate(prompts, params, use_tqdm=False)
-    assert runner.graphs.num_replays > 0 and llm.engine.num_overlapped_steps > 0
+    assert runner.graphs.num_replays > 0 and llm.engine.pipeline.num_overlapped_steps > 0
     assert summary(got) == summary(want)
 
 

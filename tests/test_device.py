@@ -206,7 +206,7 @@ def test_sampling_brings_back_tokens_not_logits(tiny_llama, device, monkeypatch)
         **kwargs,
     )
     got = [o.outputs[0].token_ids for o in spec.generate(PROMPTS, SAMPLED, use_tqdm=False)]
-    stats = spec.engine.spec_stats
+    stats = spec.engine.speculation.stats
     assert stats.num_drafts > 20 and 0 < stats.num_accepted < stats.num_drafts
     same = sum(g == w for g, w in zip(got, want, strict=True))
     # CPU: exactly; CUDA: verification and decode kernels round differently, so a race can

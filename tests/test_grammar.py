@@ -71,7 +71,7 @@ def reference(tiny_llama):
     """Constrained greedy without any speculation: no proposer, no forced tokens."""
     llm = LLM(str(tiny_llama), num_kv_blocks=512, grammar_forced_tokens=False)
     outs = llm.generate(prompts(36), params(36), use_tqdm=False)
-    assert llm.engine.spec_stats.num_drafts == 0
+    assert llm.engine.speculation.stats.num_drafts == 0
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -407,7 +407,7 @@ def test_speculation_keeps_constrained_greedy_output(tiny_llama, draft_model, re
     llm = spec_llm(method, tiny_llama, draft_model, num_kv_blocks=512)
     outs = llm.generate(prompts(36), params(36), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference
-    stats = llm.engine.spec_stats
+    stats = llm.engine.speculation.stats
     assert stats.num_forced > 100 and stats.num_forced_accepted > 0
     if method == "self":
         assert stats.num_accepted == stats.num_drafts
@@ -426,7 +426,7 @@ def test_unmasked_draft_model_would_propose_invalid_tokens(tiny_llama, draft_mod
     tokens the grammar refuses (they are cut, so output stays right)."""
     llm = spec_llm("draft", tiny_llama, draft_model, num_kv_blocks=512)
     llm.engine.compile_constraint(CONSTRAINTS[0])  # makes the grammar manager
-    llm.engine.proposer.logits_masker = None
+    llm.engine.speculation.proposer.logits_masker = None
     outs = llm.generate(prompts(36), params(36), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference
     assert llm.engine.grammar.num_drafts_cut > 0
@@ -470,7 +470,8 @@ def test_matcher_state_equals_feeding_only_accepted_tokens(tiny_llama, draft_mod
             assert torch.equal(ours, fresh)
             assert matcher.find_jump_forward_string() == replay.find_jump_forward_string()
             checked += 1
-    assert checked > 50 and engine.spec_stats.num_accepted < engine.spec_stats.num_drafts
+    stats = engine.speculation.stats
+    assert checked > 50 and stats.num_accepted < stats.num_drafts
     assert_idle(llm)
 
 

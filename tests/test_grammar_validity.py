@@ -252,7 +252,7 @@ def test_greedy_with_forced_tokens_and_ngram_equals_plain_constrained(smollm):
     )
     outs = spec.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
-    stats = spec.engine.spec_stats
+    stats = spec.engine.speculation.stats
     assert stats.num_forced_accepted > 0.2 * sum(len(t) for t in want)
     assert stats.num_forced_accepted < stats.num_forced  # some re-tokenized forced drafts fail
     snap = spec.engine.snapshot()

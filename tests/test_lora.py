@@ -397,7 +397,7 @@ def test_self_draft_without_its_adapter_misses(tiny_llama, adapters, hf_referenc
     lora = LoRARequest("all16", str(adapters["all16"]))
     outs = llm.generate(prompts(12), params, use_tqdm=False, lora_request=lora)
     assert [o.outputs[0].token_ids for o in outs] == hf_reference["all16"]
-    stats = llm.engine.spec_stats
+    stats = llm.engine.speculation.stats
     assert stats.num_accepted < stats.num_drafts
 
 
@@ -430,7 +430,7 @@ def test_outputs_unchanged_when_other_adapters_load_and_unload_mid_run(
                 outs[out.request_id] = out.outputs[0].token_ids
     assert [outs[f"r{i}"] for i in range(12)] == hf_reference["qv4"]
     assert outs["late"] == hf_reference["ko8"][0]
-    assert set(engine.loras) == {"ko8"}
+    assert set(engine.adapters) == {"ko8"}
     with pytest.raises(ValueError, match="no LoRA adapter named 'qv4'"):
         engine.unload_lora("qv4")
 
@@ -439,7 +439,7 @@ def test_cpu_adapter_cache_is_lru_bounded(tiny_llama, adapters):
     llm = LLM(str(tiny_llama), num_kv_blocks=64, enable_lora=True, max_loras=1, max_cpu_loras=2)
     for name in ("qv4", "mlp8", "qv4", "ko8"):
         llm.load_lora(LoRARequest(name, str(adapters[name])))
-    assert list(llm.engine.loras) == ["qv4", "ko8"]
+    assert list(llm.engine.adapters) == ["qv4", "ko8"]
 
 
 def test_smollm2_mixed_adapters_equal_peft(tmp_path):

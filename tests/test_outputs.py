@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+import engine.llm_engine as llm_engine
 from engine import LLM, RequestOutputKind, SamplingParams
 from engine.llm_engine import LLMEngine
 
@@ -146,8 +147,10 @@ def test_logprobs_are_decoded_once_per_position(llm, monkeypatch):
     text once, when it is produced (decoding them all again per output was quadratic)."""
     engine = llm.engine
     calls = []
-    decode = engine._decode_logprobs
-    monkeypatch.setattr(engine, "_decode_logprobs", lambda raw: calls.extend(raw) or decode(raw))
+    real = llm_engine.decode_logprobs
+    monkeypatch.setattr(
+        llm_engine, "decode_logprobs", lambda decode, raw: calls.extend(raw) or real(decode, raw)
+    )
     p = params(RequestOutputKind.CUMULATIVE, n=1, stop=None, max_tokens=24, ignore_eos=True)
     outs = run(engine, {"c": p})["c"]
     assert len(outs) > 5

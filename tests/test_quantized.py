@@ -364,7 +364,7 @@ def test_quantized_speculation_and_batching_keep_each_requests_tokens():
         ]
         assert _run_staggered(plain, prompts, params) == alone
         assert _run_staggered(spec, prompts, params) == alone
-    assert spec.engine.spec_stats.num_accepted > 0
+    assert spec.engine.speculation.stats.num_accepted > 0
 
 
 def test_self_draft_is_exact_for_greedy_and_seeded_sampling():
@@ -395,5 +395,5 @@ def test_self_draft_is_exact_for_greedy_and_seeded_sampling():
         want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
         assert got == want
         if params is greedy:  # the quantized copy mostly agrees with the fp32 argmax
-            stats = llm.engine.spec_stats
+            stats = llm.engine.speculation.stats
             assert stats.num_drafts > 40 and stats.acceptance_rate > 0.75, stats.as_dict()

@@ -66,5 +66,5 @@ def test_qwen_draft_pair_is_lossless():
     llm = LLM(target, draft_model=draft, num_speculative_tokens=4, kv_cache_memory_bytes=256 << 20)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == alone
-    stats = llm.engine.spec_stats
+    stats = llm.engine.speculation.stats
     assert stats.num_drafts > 0 and stats.acceptance_rate > 0.5

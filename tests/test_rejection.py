@@ -1,4 +1,4 @@
-"""Speculative rejection sampling (`spec.rejection.verify`) on synthetic logits.
+"""Speculative rejection sampling (`engine.rejection.verify`) on synthetic logits.
 
 The core property is losslessness: whatever the proposal q, every emitted token is distributed as
 the target p. Each check draws 8e4 independent requests in one `verify` call (their drafts
@@ -18,11 +18,11 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from engine import rejection
+from engine.rejection import VerifyResult, VerifyRow
 from engine.request import Request
 from engine.sampler import RequestAt, SamplingBatch, exponential_noise, process_logits
 from engine.sampling_params import SamplingParams
-from spec import rejection
-from spec.rejection import VerifyResult, VerifyRow
 
 V = 8  # synthetic vocabulary
 EOS = V - 1

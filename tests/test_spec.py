@@ -67,7 +67,7 @@ def run(tiny_llama, draft_model, method, **engine_args):
 
 
 def check_accounting(engine, outs, method):
-    stats = engine.spec_stats
+    stats = engine.speculation.stats
     assert 0 <= stats.num_accepted <= stats.num_drafts
     assert sum(o.metrics.spec.num_drafts for o in outs) == stats.num_drafts
     assert sum(o.metrics.spec.num_accepted for o in outs) == stats.num_accepted
@@ -254,7 +254,7 @@ def test_seeded_sampling_same_with_and_without_speculation(tiny_llama, draft_mod
         )
         outs = llm.generate(batch_prompts, ps, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want, k
-        stats = llm.engine.spec_stats
+        stats = llm.engine.speculation.stats
         # Drafts were verified; the self-draft's are mostly accepted, the random draft's
         # mostly rejected (n-gram lookups are rare on sampled random-model text).
         assert stats.num_drafts > 0
@@ -308,7 +308,7 @@ def test_rejected_drafts_free_their_blocks(tiny_llama, draft_model):
         engine.step()
         for r in engine.scheduler.running:
             assert len(engine.kv.table(r)) == -(-r.num_computed_tokens // 4)
-    assert engine.spec_stats.num_drafts > engine.spec_stats.num_accepted
+    assert engine.speculation.stats.num_drafts > engine.speculation.stats.num_accepted
 
 
 def test_bad_speculation_config_is_rejected(tiny_llama):
@@ -341,9 +341,10 @@ def test_snapshot_reports_speculation(tiny_llama):
     # of steps in which nobody drafted, e.g. the prefill, belongs to no request).
     mine = [o.metrics.spec for o in outs]
     assert all(m.draft_seconds > 0 and m.target_seconds > 0 for m in mine)
-    assert 0.5 * engine.spec_time["draft"] < sum(m.draft_seconds for m in mine)
-    assert sum(m.draft_seconds for m in mine) <= engine.spec_time["draft"]
-    assert sum(m.target_seconds for m in mine) == pytest.approx(engine.spec_time["verify"])
+    seconds = engine.speculation.seconds
+    assert 0.5 * seconds["draft"] < sum(m.draft_seconds for m in mine)
+    assert sum(m.draft_seconds for m in mine) <= seconds["draft"]
+    assert sum(m.target_seconds for m in mine) == pytest.approx(seconds["verify"])
 
 
 # ---- forced tokens (the grammar hook) -------------------------------------------------------
@@ -373,10 +374,10 @@ def test_forced_tokens_ride_as_free_drafts(tiny_llama, draft_model, reference, m
     by_prompt = {tuple(p): ref for p, ref in zip(chosen, reference[:24], strict=True)}
     args = {} if method is None else spec_args(method, tiny_llama, draft_model)
     llm = LLM(str(tiny_llama), num_kv_blocks=256, num_speculative_tokens=2, **args)
-    llm.engine.forced_tokens = ReplayForcer(by_prompt, m=3, wrong=wrong)
+    llm.engine.speculation.forced_tokens = ReplayForcer(by_prompt, m=3, wrong=wrong)
     outs = llm.generate(chosen, ps, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference[:24]
-    stats = llm.engine.spec_stats
+    stats = llm.engine.speculation.stats
     assert stats.num_forced > 24
     assert stats.num_forced_accepted == (0 if wrong else stats.num_forced)
     assert sum(o.metrics.spec.num_forced for o in outs) == stats.num_forced

@@ -183,7 +183,7 @@ def test_engine_sampled_equal_with_triton_backend(tiny_llama):
         outs[backend] = [
             o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
         ]
-        stats[backend] = llm.engine.spec_stats
+        stats[backend] = llm.engine.speculation.stats
         kernel = llm.engine.runner.verify_kernel.__module__
         assert (
             kernel == {"torch": "kernels.reference", "triton": "kernels.triton_rejection"}[backend]

@@ -1,10 +1,10 @@
 """Fused rejection-sampling verification (kernels/triton_rejection.py) against its reference and
-against spec.rejection.verify: under TRITON_INTERPRET=1 on CPU in the default run, on CUDA at a
+against engine.rejection.verify: under TRITON_INTERPRET=1 on CPU in the default run, on CUDA at a
 real vocabulary when a GPU is present (`gpu` marker).
 
-spec.rejection.verify draws its random numbers as it walks; `spec_draws` replays the same
+engine.rejection.verify draws its random numbers as it walks; `spec_draws` replays the same
 generators from copies to hand the batched verifiers exactly the numbers spec used, so the three
-must agree token for token. spec.rejection.verify_batched, the engine's verifier (draws up front,
+must agree token for token. engine.rejection.verify_batched, the engine's verifier (draws up front,
 one batched call), must equal it too, generators' states included."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from dataclasses import replace
 import pytest
 import torch
 
+from engine import rejection
+from engine.rejection import VerifyRow
 from engine.sampler import exponential_noise
 from kernels import reference, triton_rejection
 from kernels.triton_rejection import rejection_verify  # TRITON_INTERPRET: conftest
-from spec import rejection
-from spec.rejection import VerifyRow
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KINDS = ("greedy", "plain", "q", "one_hot")  # plain: sampled without drafts
@@ -55,7 +55,7 @@ def copy_of(generator: torch.Generator | None) -> torch.Generator | None:
 
 
 def spec_draws(rows: list[VerifyRow], results, generator: torch.Generator, vocab: int):
-    """The uniforms [R] and exponential noise [R, V] that spec.rejection.verify drew, replayed in
+    """The uniforms [R] and exponential noise [R, V] that engine.rejection.verify drew, replayed in
     its order from copies of the generators as they were before it ran. Rows it drew nothing
     for get numbers from elsewhere: the batched verifiers must not depend on them."""
     num_rows = sum(r.num_rows for r in rows)
@@ -147,7 +147,7 @@ def test_reference_and_kernel_equal_spec(seed, monkeypatch):
 
 
 def run_both(seed: int, num_reqs: int, vocab: int, kernel):
-    """spec.rejection.verify (the oracle) and verify_batched from equal generators: each one's
+    """engine.rejection.verify (the oracle) and verify_batched from equal generators: each one's
     results and its generators' states afterwards."""
     gen = torch.Generator().manual_seed(seed)
     kinds = [KINDS[int(i)] for i in torch.randint(0, 4, (num_reqs,), generator=gen)]

@@ -5,17 +5,19 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from engine.config import QUANTIZATIONS
+from engine.config import QUANTIZATIONS, EngineConfig
 from engine.models.config import ModelConfig
 from engine.models.gguf_loader import load_gguf_weights
 from engine.models.llama import LlamaForCausalLM, onednn_linear_available
 from engine.models.quant import int8_linear_available
+from engine.models.registry import resolve_model
 
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
 
@@ -202,3 +204,38 @@ def read_generation_eos(path: str | Path) -> set[int]:
     if eos is None:
         return set()
     return set(eos) if isinstance(eos, list) else {eos}
+
+
+@dataclass
+class EngineModels:
+    path: Path  # the target's directory: tokenizer, generation config
+    model: LlamaForCausalLM
+    cfg: ModelConfig
+    draft: tuple[LlamaForCausalLM, ModelConfig] | None  # with spec_method="draft"
+
+
+def load_engine_models(config: EngineConfig) -> EngineModels:
+    """The target model and, with spec_method="draft", the draft model, as the config says.
+    draft_model="self" drafts with the target's own quantized copy, so the target itself then
+    loads exact (dense)."""
+    device, dtype = config.torch_device, config.torch_dtype
+    self_draft = config.draft_model == "self"
+    quantization = None if self_draft else config.quantization
+    path = resolve_model(config.model, dense=needs_dense(quantization, device))
+    model, cfg, _ = load_model(path, device=device, dtype=dtype, quantization=quantization)
+    if config.spec_method != "draft":
+        return EngineModels(path, model, cfg, None)
+    dense = needs_dense(config.draft_quantization, device)
+    draft_path = path if self_draft else resolve_model(config.draft_model, dense)
+    draft_model, draft_cfg, _ = load_model(
+        draft_path,
+        device=device,
+        dtype=dtype,
+        **draft_load_args(config.draft_quantization, draft_path, device),
+    )
+    if draft_cfg.vocab_size != cfg.vocab_size:
+        raise ValueError(
+            f"draft_model vocabulary ({draft_cfg.vocab_size}) differs from the target's "
+            f"({cfg.vocab_size}); the two models must share a tokenizer"
+        )
+    return EngineModels(path, model, cfg, (draft_model, draft_cfg))

@@ -1,0 +1,189 @@
+"""Speculation as the engine drives it, step by step: plan how many draft slots each running
+request asks for, fill the slots the scheduler granted (forced tokens first, then the proposer's
+drafts, cut where a grammar refuses), and account for what verification accepted.
+
+Per step: `plan` before scheduling, `propose` once scheduled, `observe_step` and `record` once
+the step's verdicts are on the host. Counters: `stats` (engine-wide), `by_adapter`,
+`seconds` (draft passes, and the target's forward plus verification), each request's own
+`Request.spec`; the adaptive planner's per-request acceptance history is kept here.
+"""
+
+from __future__ import annotations
+
+from weakref import WeakKeyDictionary
+
+from engine.config import MAX_SPECULATIVE_TOKENS, EngineConfig
+from engine.model_runner import ModelRunner
+from engine.request import Request
+from engine.scheduler import SchedulerOutput
+from engine.spec_stats import SpecStats
+from spec.adaptive import Acceptance, AdaptiveSpeculation
+from spec.draft_model import DraftModelProposer
+from spec.proposer import ForcedTokens, NgramProposer, Proposer
+
+
+class Speculation:
+    def __init__(self, proposer: Proposer | None, k: int, adaptive: AdaptiveSpeculation | None):
+        self.proposer = proposer
+        # The engine's drafts per step (a cap when adaptive).
+        self.k = k if proposer is not None else 0
+        self.adaptive = adaptive
+        self.forced_tokens: ForcedTokens | None = None  # e.g. a grammar's forced tokens
+        self.stats = SpecStats()
+        self.by_adapter: dict[str, SpecStats] = {}
+        self.seconds = {"draft": 0.0, "verify": 0.0}
+        self._acceptance: WeakKeyDictionary[Request, Acceptance] = WeakKeyDictionary()
+
+    @property
+    def active(self) -> bool:
+        """Whether steps carry drafts at all (a proposer, or forced tokens)."""
+        return self.proposer is not None or self.forced_tokens is not None
+
+    def use_grammar(self, grammar, forced_tokens: bool) -> None:
+        """A grammar now constrains some requests: the draft model proposes only what it allows;
+        with forced_tokens, what it allows alone rides in the draft slots."""
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.logits_masker = grammar.mask
+        if forced_tokens and self.forced_tokens is None:
+            self.forced_tokens = grammar
+
+    def acceptance(self, request: Request) -> Acceptance:
+        """The request's decayed verification outcomes (adaptive speculation plans with them)."""
+        own = self._acceptance.get(request)
+        if own is None:
+            own = self._acceptance[request] = Acceptance()
+        return own
+
+    # ---- before scheduling -------------------------------------------------------------
+    def plan(self, running: list[Request]) -> None:
+        """Draft slots each running request asks for in the coming step (num_spec_wanted): its
+        forced tokens, then its own k if it set one, else the engine's (a fixed k, or the
+        adaptive plan capped by it)."""
+        if not self.active:
+            return
+        adaptive = []
+        for request in running:
+            request.forced_token_ids = []
+            # (A token still in flight: what it forces next is not known yet.)
+            ready = request.is_decoding and not request.error and not request.num_pending
+            if self.forced_tokens is not None and ready:
+                try:
+                    request.forced_token_ids = self.forced_tokens.forced_tokens(
+                        request, MAX_SPECULATIVE_TOKENS
+                    )
+                except Exception as exc:  # one request's grammar: that request alone
+                    request.fail("grammar", exc)
+            k = request.params.num_speculative_tokens if self.proposer is not None else 0
+            request.num_spec_wanted = self.k if k is None else k
+            if k is None and self.adaptive is not None and request.is_decoding:
+                adaptive.append(request)
+        if adaptive:
+            self._plan_adaptive(adaptive)
+        for request in running:
+            if request.forced_token_ids:
+                request.num_spec_wanted = min(
+                    len(request.forced_token_ids) + request.num_spec_wanted,
+                    MAX_SPECULATIVE_TOKENS,
+                )
+
+    def _plan_adaptive(self, requests: list[Request]) -> None:
+        candidates = []
+        for request in requests:
+            room = max(0, min(self.k, request.max_output_tokens - request.num_output_tokens - 1))
+            lag = request.num_tokens - request.num_draft_computed
+            own = self.acceptance(request)
+            candidates.append(self.adaptive.candidate(own, room, min(lag, room + 1)))
+        for request, k in zip(requests, self.adaptive.plan(candidates), strict=True):
+            request.num_spec_wanted = k
+            if k == 0:  # not drafting teaches nothing: drift back towards the engine's rate
+                self.adaptive.idle(self.acceptance(request))
+
+    # ---- once scheduled ----------------------------------------------------------------
+    def propose(self, sched: SchedulerOutput, tables: dict[Request, list[int]], grammar) -> None:
+        """Fill the draft slots: forced tokens first, then the proposer's drafts, each list cut
+        at its first token the grammar refuses; give back the slots a request did not fill."""
+        for request, _, k in sched.scheduled():
+            request.spec_token_ids = request.forced_token_ids[:k]
+        if self.proposer is not None:
+            self.proposer.propose(sched, tables)
+        if grammar is not None:
+            for request in sched.requests:
+                try:
+                    n = grammar.valid_prefix(request, request.spec_token_ids)
+                except Exception as exc:
+                    request.fail("grammar", exc)
+                    n = 0
+                del request.spec_token_ids[n:]
+                if request.draft_probs is not None:
+                    request.draft_probs = request.draft_probs[:n]
+        for i, request in enumerate(sched.requests):
+            num_drafts = len(request.spec_token_ids)
+            sched.num_new_tokens[i] -= sched.num_drafts[i] - num_drafts
+            sched.num_drafts[i] = num_drafts
+
+    def holds_back(self, request: Request) -> bool:
+        """Whether the request's next step depends on this step's tokens on the host (its
+        drafts or forced tokens are built from them), so steps may not overlap."""
+        if self.proposer is not None or request.spec_token_ids:
+            return True
+        return self.forced_tokens is not None and self.forced_tokens.applies_to(request)
+
+    # ---- once verified -----------------------------------------------------------------
+    def observe_step(self, sched: SchedulerOutput, t0: float, t1: float, t2: float) -> None:
+        """A step's times: drafting from t0 to t1, the target's forward and verification to t2.
+        Each request still running gets its share (draft time by its drafts, target time by
+        its rows); the adaptive planner's cost fits see the totals."""
+        self.seconds["draft"] += t1 - t0
+        self.seconds["verify"] += t2 - t1
+        num_tokens, num_drafts = sched.total_tokens, sum(sched.num_drafts)
+        drafted = isinstance(self.proposer, DraftModelProposer)
+        pass_times = self.proposer.pass_times if drafted else []
+        if self.adaptive is not None:
+            self.adaptive.target.observe(num_tokens, t2 - t1)
+            for rows, seconds in pass_times:
+                self.adaptive.draft.observe(rows, seconds)
+        pass_times.clear()
+        for request, n, k in sched.scheduled():
+            if not request.is_finished:
+                request.spec.draft_seconds += (t1 - t0) * k / num_drafts if num_drafts else 0.0
+                request.spec.target_seconds += (t2 - t1) * n / num_tokens
+
+    def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """One verification of the request's drafts: counters, and the adaptive planner's
+        acceptance history."""
+        num_forced = min(len(request.forced_token_ids), num_drafts)
+        request.spec.record(num_drafts, num_accepted, num_forced)
+        self.stats.record(num_drafts, num_accepted, num_forced)
+        if request.lora is not None:  # acceptance per adapter
+            by_adapter = self.by_adapter.setdefault(request.lora.name, SpecStats())
+            by_adapter.record(num_drafts, num_accepted, num_forced)
+        if self.adaptive is not None and num_accepted >= num_forced:
+            # The proposer's share: its drafts were judged only if the forced ones held.
+            self.adaptive.observe_verification(
+                self.acceptance(request), num_drafts - num_forced, num_accepted - num_forced
+            )
+
+    def describe(self, method: str) -> dict:
+        """For the engine's snapshot."""
+        return {
+            "method": method,
+            **self.stats.as_dict(),
+            "draft_seconds": self.seconds["draft"],
+            "verify_seconds": self.seconds["verify"],
+            "adaptive": self.adaptive.describe() if self.adaptive is not None else None,
+            "by_adapter": {name: s.as_dict() for name, s in self.by_adapter.items()},
+        }
+
+
+def build_speculation(config: EngineConfig, draft_runner: ModelRunner | None) -> Speculation:
+    """The engine's speculation for its config: a draft model's proposer (draft_runner), the
+    n-gram proposer, or none (grammar-forced tokens may still ride as drafts)."""
+    proposer: Proposer | None = None
+    if draft_runner is not None:
+        proposer = DraftModelProposer(draft_runner)
+    elif config.spec_method == "ngram":
+        proposer = NgramProposer(config.ngram_min, config.ngram_max)
+    adaptive = None
+    if proposer is not None and config.adaptive_speculation:
+        adaptive = AdaptiveSpeculation(uses_draft_model=draft_runner is not None)
+    return Speculation(proposer, config.num_speculative_tokens, adaptive)
