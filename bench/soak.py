@@ -268,13 +268,12 @@ def run(args) -> dict:
     """The whole soak; returns the figures (also used by tests/test_soak.py)."""
     from transformers import AutoConfig
 
-    from engine.model_runner import kv_bytes_per_block
     from engine.models.config import ModelConfig
     from engine.models.registry import resolve_model
     from playground.demo_adapters import write_demo_adapters
 
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(str(resolve_model(args.model))))
-    args.block_bytes = kv_bytes_per_block(cfg, 16)
+    args.block_bytes = cfg.kv_bytes_per_block(16)
     adapters = {name: r.path for name, r in write_demo_adapters(args.model).items()}
     server, url = start_server(args, adapters)
     try:

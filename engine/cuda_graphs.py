@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.attention import AttentionMetadata, VarlenBatch, slot_ids
+from engine.attention import AttentionMetadata, VarlenBatch
 from engine.device import host_tensor, padded_rows, staged, to_device
-from engine.inputs import fill_pending, pending_inputs
+from engine.inputs import fill_pending, flat_inputs, pending_inputs
 
 if TYPE_CHECKING:
     from engine.inputs import ForwardItem, SampledTokens
@@ -108,34 +108,20 @@ class GraphRunner:
     def _fill(self, items, tables, q: int, num_reqs: int) -> torch.Tensor | None:
         """Copies the padded step into the static buffers; returns the real rows' indices
         (None when every request has q tokens: then they are the first rows)."""
-        bs = self.block_size
-        num_tokens = num_reqs * q
-        ids, positions, slots = [0] * num_tokens, [0] * num_tokens, [-1] * num_tokens
-        seq_lens = [q] * num_reqs  # padding requests: q keys in the null block, never stored
-        # Padding tokens: id 0 at position 0, slot -1.
-        rows = []
-        width = 1
-        for b, item in enumerate(items):
-            table = tables[item.request]
-            n = len(item.token_ids)
-            base = b * q
-            ids[base : base + n] = item.token_ids
-            positions[base : base + n] = range(item.start, item.start + n)
-            slots[base : base + n] = slot_ids(table, item.start, n, bs)
-            rows.extend(range(base, base + n))
-            seq_lens[b] = item.start + q
-            width = max(width, -(-seq_lens[b] // bs))
-        block_tables = padded_rows([tables[it.request] for it in items], width, num_reqs)
+        bs, num_tokens = self.block_size, num_reqs * q
+        flat = flat_inputs(items, tables, bs, q, num_reqs)
+        width = max(-(-n // bs) for n in flat.seq_lens)
+        block_tables = padded_rows(flat.tables, width, num_reqs)
         device, copy = self.input_ids.device, dict(non_blocking=True)
-        self.input_ids[:num_tokens].copy_(staged(host_tensor(ids), device), **copy)
-        self.positions[:num_tokens].copy_(staged(host_tensor(positions), device), **copy)
-        self.slot_mapping[:num_tokens].copy_(staged(host_tensor(slots), device), **copy)
-        seq_lens = host_tensor(seq_lens, torch.int32)
+        self.input_ids[:num_tokens].copy_(staged(host_tensor(flat.input_ids), device), **copy)
+        self.positions[:num_tokens].copy_(staged(host_tensor(flat.positions), device), **copy)
+        self.slot_mapping[:num_tokens].copy_(staged(host_tensor(flat.slots), device), **copy)
+        seq_lens = host_tensor(flat.seq_lens, torch.int32)
         self.seq_lens[:num_reqs].copy_(staged(seq_lens, device), **copy)
         self.block_tables[:num_reqs, :width].copy_(staged(block_tables, device), **copy)
-        if len(rows) == len(items) * q:
+        if len(flat.rows) == len(items) * q:
             return None
-        return host_tensor(rows)
+        return host_tensor(flat.rows)
 
     def _run(self, num_reqs: int, q: int) -> torch.Tensor:  # [num_reqs * q, hidden]
         num_tokens = num_reqs * q

@@ -36,7 +36,7 @@ def to_device(obj, device: torch.device):
     to device without waiting; on CPU, obj itself."""
     if device.type == "cpu":
         return obj
-    return _moved(obj, device)
+    return map_tensors(obj, lambda t: staged(t, device).to(device, non_blocking=True))
 
 
 def staged(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -49,37 +49,47 @@ def staged(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t
 
 
-def _moved(obj, device: torch.device):
+def map_tensors(obj, fn):
+    """obj with fn applied to every tensor in it (itself, or inside dataclass fields, lists and
+    tuples); anything else is kept as it is."""
     if isinstance(obj, torch.Tensor):
-        return staged(obj, device).to(device, non_blocking=True)
+        return fn(obj)
     if isinstance(obj, list | tuple):
-        return type(obj)(_moved(v, device) for v in obj)
+        return type(obj)(map_tensors(v, fn) for v in obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        fields = {f.name: _moved(getattr(obj, f.name), device) for f in dataclasses.fields(obj)}
+        fields = {f.name: map_tensors(getattr(obj, f.name), fn) for f in dataclasses.fields(obj)}
         return dataclasses.replace(obj, **fields)
     return obj
 
 
+def tensors_in(obj) -> list[torch.Tensor]:
+    """Every tensor map_tensors would visit, in its order."""
+    found = []
+    map_tensors(obj, found.append)
+    return found
+
+
 class HostCopy:
-    """CPU copies of device tensors (None stays None), queued now behind the work that computes
-    them; wait() blocks until they have landed. Work queued after the copies (the next step)
+    """A CPU copy of obj (tensors, or lists, tuples and dataclasses holding them, as
+    map_tensors walks them), queued now behind the work that computes its tensors; wait()
+    blocks until they have landed and returns it. Work queued after the copies (the next step)
     does not delay them."""
 
-    def __init__(self, tensors: list[torch.Tensor | None]):
-        self.tensors = [None if t is None else t.to("cpu", non_blocking=True) for t in tensors]
+    def __init__(self, obj):
+        self.copy = map_tensors(obj, lambda t: t.to("cpu", non_blocking=True))
         self.events = []
-        for device in {t.device for t in tensors if t is not None and t.device.type == "cuda"}:
+        for device in {t.device for t in tensors_in(obj) if t.device.type == "cuda"}:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))
             self.events.append(event)
 
-    def wait(self) -> list[torch.Tensor | None]:
+    def wait(self):
         for event in self.events:
             event.synchronize()
         self.events = []
-        return self.tensors
+        return self.copy
 
 
-def to_host(tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-    """CPU copies of these tensors (None stays None), waiting for their device once."""
-    return HostCopy(tensors).wait()
+def to_host(obj):
+    """A CPU copy of obj (see HostCopy), waiting for its devices once."""
+    return HostCopy(obj).wait()

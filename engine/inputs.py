@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.attention import slot_ids
 from engine.device import host_tensor, to_device
 
 if TYPE_CHECKING:
@@ -56,3 +57,48 @@ def fill_pending(
     if positions:
         positions, rows = to_device((host_tensor(positions), host_tensor(rows)), ids.device)
         ids[positions] = sampled.tokens[rows]
+
+
+@dataclass
+class FlatInputs:
+    """A step's inputs as host lists: every item's tokens back to back (or, padded, each in q
+    rows), their positions and KV slots, and per item its seq_len, query length and table."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    seq_lens: list[int]
+    query_lens: list[int]
+    tables: list[list[int]]
+    rows: list[int]  # the rows of real tokens
+
+
+def flat_inputs(
+    items: list[ForwardItem],
+    tables: dict[Request, list[int]],
+    block_size: int,
+    q: int | None = None,
+    num_reqs: int | None = None,
+) -> FlatInputs:
+    """The items' inputs back to back; with q (CUDA graphs' static shapes) each item padded to
+    q tokens and the batch to num_reqs items. A padding token is id 0 at position 0 that stores
+    no KV (slot -1); a request's seq_len counts its padding tokens, so its real queries keep
+    their positions (query j sits at seq_len - q + j) and causal masking hides the padding keys
+    from them; a padding request has q keys in the null block."""
+    num_reqs = num_reqs or len(items)
+    size = num_reqs * q if q else sum(len(it.token_ids) for it in items)
+    out = FlatInputs([0] * size, [0] * size, [-1] * size, [q or 0] * num_reqs, [], [], [])
+    offset = 0
+    for b, item in enumerate(items):
+        table = tables[item.request]
+        n, start = len(item.token_ids), item.start
+        base = b * q if q else offset
+        out.input_ids[base : base + n] = item.token_ids
+        out.positions[base : base + n] = range(start, start + n)
+        out.slots[base : base + n] = slot_ids(table, start, n, block_size)
+        out.rows.extend(range(base, base + n))
+        out.seq_lens[b] = start + (q or n)
+        out.query_lens.append(n)
+        out.tables.append(table)
+        offset += n
+    return out

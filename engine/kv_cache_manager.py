@@ -165,6 +165,3 @@ class KVCacheManager:
         self.num_draft_marked.pop(request, None)
         if table:
             self.pool.free(table)
-
-    def table(self, request: Request) -> list[int]:
-        return self.block_tables.get(request, [])

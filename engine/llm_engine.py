@@ -16,22 +16,20 @@ import threading
 import time
 
 import torch
-from transformers import AutoTokenizer
 
 from engine.attention import resolve_backend
 from engine.config import MAX_SPECULATIVE_TOKENS, EngineConfig
-from engine.detokenizer import ExactDecoder, IncrementalDetokenizer
+from engine.detokenizer import ExactDecoder
 from engine.grammar.constraint import StructuredOutputs
 from engine.introspection import snapshot
 from engine.kv_cache_manager import KVCacheManager
-from engine.model_runner import ModelRunner, StepResult, kv_bytes_per_block
-from engine.models.loader import load_engine_models, read_generation_eos
+from engine.model_runner import ModelRunner, StepResult
+from engine.models.loader import load_engine_models
 from engine.outputs import RequestGroup, RequestOutput, decode_logprobs
 from engine.pipeline import InFlight, Pipeline
 from engine.request import Request, RequestStatus, step_token_kinds
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.stop import check_stop
 from lora.adapter import LoRAAdapter, LoRARequest
 from lora.batch import LoRASlots
 from lora.registry import AdapterRegistry
@@ -48,21 +46,14 @@ class LLMEngine:
             # Triton launches and CUDA graphs act on the current device, not the tensors'.
             torch.cuda.set_device(device)
         models = load_engine_models(config)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(models.path))
+        self.tokenizer, self.eos_token_ids = models.tokenizer, models.eos_token_ids
         self._decode = ExactDecoder(self.tokenizer)
         self.model_config = cfg = models.cfg
         self.max_model_len = min(
             config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
         )
-        self.eos_token_ids = read_generation_eos(models.path)
-        if self.tokenizer.eos_token_id is not None:
-            self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.vocab_size = cfg.vocab_size
-        # The draft model's KV lives in the same blocks as the target's: budget both.
-        block_bytes = sum(
-            kv_bytes_per_block(c, config.block_size, dtype)
-            for c in [cfg] + ([models.draft[1]] if models.draft else [])
-        )
+        block_bytes = models.kv_bytes_per_block(config.block_size, dtype)
         num_blocks = config.num_kv_blocks or max(2, config.kv_budget_bytes() // block_bytes)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -154,7 +145,7 @@ class LLMEngine:
             bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"prompt token id {bad[0]!r} is outside [0, {self.vocab_size})")
-        self._check_fits(ids, params)
+        self.scheduler.check_fits(len(ids), params, self.max_model_len)
         params.check_vocab(self.vocab_size)
         compiled = self.compile_constraint(params.structured_outputs)
         adapter = self.load_lora(lora_request) if lora_request is not None else None
@@ -170,39 +161,18 @@ class LLMEngine:
         salt = (cache_salt or "").encode() + (adapter.cache_key if adapter else b"")
         if draft_adapter is not None:
             salt += b"\x00draft" + draft_adapter.cache_key
-        config = self.config
+        eos, max_len, block_size = self.eos_token_ids, self.max_model_len, self.config.block_size
         requests = [
-            Request(
-                request_id,
-                ids,
-                params,
-                self.eos_token_ids,
-                self.max_model_len,
-                i,
-                salt,
-                config.block_size,
-            )
+            Request(request_id, ids, params, eos, max_len, i, salt, block_size)
             for i in range(params.n)
         ]
         for r in requests:
             r.lora, r.draft_lora = adapter, draft_adapter
             if compiled is not None:
                 self.grammar.attach(r, compiled, params.structured_outputs.kind)
-        for sibling in requests[1:]:
-            sibling.status = RequestStatus.FORK_PENDING
-        requests[0].siblings = requests[1:]
-        detoks = [
-            IncrementalDetokenizer(
-                self._decode,
-                ids,
-                params.skip_special_tokens,
-                params.stop,
-                params.include_stop_str_in_output,
-            )
-            for _ in requests
-        ]
-        self.groups[request_id] = RequestGroup(request_id, text, requests, detoks)
-        self.scheduler.add(requests[0])
+        group = RequestGroup(request_id, text, requests, self._decode)
+        self.groups[request_id] = group
+        self.scheduler.add(group.leader)
 
     def load_lora(self, lora_request: LoRARequest) -> LoRAAdapter:
         """Load (or find loaded) the target's adapter a request names (lora.registry)."""
@@ -222,53 +192,22 @@ class LLMEngine:
     def _grammar_manager(self):
         with self._grammar_lock:
             if self.grammar is None:
-                from engine.grammar.compiler import GrammarCompiler, tokenizer_info
-                from engine.grammar.matcher import GrammarManager
+                from engine.grammar.matcher import GrammarManager  # xgrammar: loaded when needed
 
                 cfg = self.config
-                compiler = GrammarCompiler(
-                    tokenizer_info(self.tokenizer, self.vocab_size, self.eos_token_ids),
-                    cfg.grammar_cache_size,
-                    cfg.grammar_compile_timeout,
-                )
                 rows = cfg.max_num_seqs * (MAX_SPECULATIVE_TOKENS + 1)
-                grammar = GrammarManager(compiler, self.tokenizer, self.vocab_size, rows)
+                grammar = GrammarManager.build(
+                    self.tokenizer, self.vocab_size, self.eos_token_ids, rows, cfg
+                )
                 self.runner.logits_masker = grammar.mask
                 self.speculation.use_grammar(grammar, cfg.grammar_forced_tokens)
                 self.grammar = grammar
             return self.grammar
 
-    def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
-        if not ids:
-            raise ValueError("prompt must contain at least one token")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens, the context limit is {self.max_model_len} "
-                "(and at least one token must be generated)"
-            )
-        if params.n > self.config.max_num_seqs:
-            raise ValueError(
-                f"n={params.n} is over max_num_seqs={self.config.max_num_seqs}: the "
-                "completions of one prompt run side by side"
-            )
-        total = min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
-        bs = self.config.block_size
-        need = -(-len(ids) // bs) + params.n * (-(-(total - len(ids)) // bs) + 1)
-        if need > self.kv.pool.num_usable:
-            raise ValueError(
-                f"request needs up to {need} KV blocks ({total} tokens x n={params.n}) but the "
-                f"pool has {self.kv.pool.num_usable}; lower max_tokens or n, or give the KV "
-                "cache more memory"
-            )
-
     def abort_request(self, request_id: str | list[str]) -> None:
         for rid in [request_id] if isinstance(request_id, str) else request_id:
-            group = self.groups.pop(rid, None)
-            if group is None:
-                continue
-            for r in group.requests:
-                if not r.is_finished:
-                    self.scheduler.finish(r, RequestStatus.FINISHED_ABORTED)
+            if rid in self.groups:
+                self._end_group(self.groups[rid], RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         """Requests to run, a step still in flight (its requests may all have ended: one
@@ -402,15 +341,18 @@ class LLMEngine:
         ended = []
         for request in requests:
             group = self.groups.get(request.request_id) if request.error else None
-            if group is None:
-                continue
-            for member in group.requests:
-                if not member.is_finished:
-                    self.scheduler.finish(member, RequestStatus.FINISHED_ERROR)
-            del self.groups[request.request_id]
-            self.num_request_errors += 1
-            ended.append(group)
+            if group is not None:
+                self._end_group(group, RequestStatus.FINISHED_ERROR)
+                self.num_request_errors += 1
+                ended.append(group)
         return ended
+
+    def _end_group(self, group: RequestGroup, status: RequestStatus) -> None:
+        """Finish every completion of the group not finished yet; the engine forgets it."""
+        for request in group.requests:
+            if not request.is_finished:
+                self.scheduler.finish(request, status)
+        del self.groups[group.request_id]
 
     def _process_samples(self, result: StepResult) -> list[RequestGroup]:
         touched: dict[str, RequestGroup] = {}
@@ -420,12 +362,8 @@ class LLMEngine:
         for request, _ in result.sampled:
             if request.status == RequestStatus.FORK_PENDING and request.request_id in self.groups:
                 # Fork every sibling before any append can finish (and free) the leader.
-                leader = self.groups[request.request_id].requests[0]
-                self.kv.fork(leader, request)
+                self.scheduler.fork(self.groups[request.request_id].leader, request)
                 request.step_kinds = "p"  # its first token: sampled from the leader's logits
-                request.num_computed_tokens = leader.num_computed_tokens
-                request.num_draft_computed = leader.num_draft_computed
-                self.scheduler.add_running(request)
         for request, tokens in result.sampled:
             request.siblings = []
             if request.error or request.is_finished:  # failed this step (e.g. its mask), or
@@ -451,23 +389,8 @@ class LLMEngine:
 
     def _append(self, group: RequestGroup, request: Request, token: int, logprobs) -> bool:
         """Append one token and check stop conditions; True when the request finished."""
-        request.append_token(token)
         self.num_generated_tokens += 1
-        if group.metrics.first_token_time is None:
-            group.metrics.first_token_time = time.monotonic()
-        try:
-            terminated = request.grammar is not None and self.grammar.commit(request, token)
-        except Exception as exc:
-            request.fail("grammar", exc)
-            return False
-        if logprobs is not None:  # decoded once here: outputs repeat them, step after step
-            request.logprobs.append(decode_logprobs(self._decode, logprobs))
-            request.cumulative_logprob += logprobs[token][0]
-        try:
-            status = check_stop(request, token, group.detokenizers[request.index], terminated)
-        except Exception as exc:
-            request.fail("detokenizer", exc)
-            return False
+        status = group.append(request, token, logprobs, self.grammar)
         if status is not None:
             self.scheduler.finish(request, status)
         return status is not None

@@ -19,46 +19,35 @@ generators on the logits' device: a seeded request reproduces its tokens on one 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from engine.attention import build_metadata, slot_ids
+from engine.attention import build_metadata
 from engine.cuda_graphs import GraphRunner
 from engine.device import HostCopy, host_tensor, to_device
-from engine.inputs import ForwardItem, SampledTokens, fill_pending, pending_inputs
+from engine.inputs import ForwardItem, SampledTokens, fill_pending, flat_inputs, pending_inputs
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
-from engine.rejection import VerifyResult, VerifyRow, verify_batched, verify_greedy
+from engine.rejection import (
+    PendingVerify,
+    VerifyResult,
+    VerifyRow,
+    verify_batched,
+    verify_greedy,
+)
 from engine.request import Request
 from engine.sampler import (
+    RawLogprobs,
     RequestAt,
     SamplingBatch,
+    TopLogprobs,
     argmax_suffices,
     process_logits,
-    top_logprobs,
 )
 from engine.scheduler import SchedulerOutput
 from kernels import reference
 from lora.batch import LoRABatch, LoRASlots
-
-# token id -> (logprob, rank) for one position
-RawLogprobs = dict[int, tuple[float, int]]
-
-
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype=torch.float32) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return cfg.num_layers * 2 * cfg.num_kv_heads * block_size * cfg.head_dim * elem
-
-
-def logprob_entry(token: int, chosen: float, rank: int, values, ids, num_top: int) -> RawLogprobs:
-    """The chosen token's (logprob, rank) plus the top num_top (values, ids: lists), for one
-    position."""
-    entry = {token: (chosen, rank)}
-    for k in range(num_top):
-        entry.setdefault(ids[k], (values[k], k + 1))
-    return entry
 
 
 def mask_logits(masker, logits: torch.Tensor, rows: list[tuple[Request, list[int]]]) -> None:
@@ -93,20 +82,89 @@ class StepResult:
     prompt_logprobs: dict[Request, list[RawLogprobs]] = field(default_factory=dict)
 
 
-class LaunchedStep:
-    """A step whose work is queued on the device: `wait()` brings its results to the host.
-    `members`: the requests that sample in it."""
+@dataclass
+class DeviceResults:
+    """What a step computed for the host, still on the device; copied back in one go."""
 
-    def __init__(self, result: StepResult, members: list[Request], collect):
-        self.result = result
-        self.members = members
-        self._collect: Callable[[StepResult], None] | None = collect
+    argmax: torch.Tensor | None = None  # [R] every sampling row's argmax (for greedy members)
+    tokens: torch.Tensor | None = None  # [S, rows] verification's emitted tokens, then -1
+    num_accepted: torch.Tensor | None = None  # [S] drafts accepted per verified member
+    logprobs: TopLogprobs | None = None  # the verified members' rows whose requests ask
+    prompt_logprobs: list[TopLogprobs] = field(default_factory=list)  # per PromptAsk
+
+
+@dataclass
+class PromptAsk:
+    """Prompt logprobs this step computes for a request: `targets`, the prompt tokens that its
+    positions predict, with the top `num_top`."""
+
+    request: Request
+    targets: list[int]
+    num_top: int
+
+
+@dataclass
+class PendingStep:
+    """A launched step's results: `device` on the device, and what turns their host copy into
+    a StepResult. Members sample in span order: a greedy member whose logits nothing reshapes
+    (`fast`) reads its rows' argmax; the others (`slow`, in order) were verified together."""
+
+    device: DeviceResults
+    members: list[Request] = field(default_factory=list)
+    spans: list[VerifyRow] = field(default_factory=list)  # starts index the step's logits rows
+    fast: list[bool] = field(default_factory=list)
+    slow: list[int] = field(default_factory=list)  # members verified, in verification order
+    verify: PendingVerify | None = None
+    logprob_spans: list[tuple[int, VerifyRow]] = field(default_factory=list)  # (slow k, its span)
+    prompt: list[PromptAsk] = field(default_factory=list)
+
+    def resolve(self, host: DeviceResults) -> StepResult:
+        """The step's results from the host copy of `device`."""
+        result = StepResult()
+        verdicts: list[VerifyResult | None] = [None] * len(self.spans)
+        if self.slow:
+            slow_verdicts = self.verify.results(host.tokens.tolist(), host.num_accepted.tolist())
+            for i, verdict in zip(self.slow, slow_verdicts, strict=True):
+                verdicts[i] = verdict
+        if host.argmax is not None:
+            argmax = host.argmax.tolist()
+            for i, fast in enumerate(self.fast):
+                if fast:
+                    verdicts[i] = verify_greedy(self.spans[i], argmax)
+        for span, member, verdict in zip(self.spans, self.members, verdicts, strict=True):
+            result.sampled.append((member, verdict.tokens))
+            if span.drafts:
+                result.num_accepted[member] = verdict.num_accepted
+        if self.logprob_spans:  # each asking member's rows, up to where its walk ended
+            picks, owners, row = [], [], 0
+            for i, span in self.logprob_spans:
+                member = self.members[i]
+                for j, token in enumerate(verdicts[i].tokens):
+                    picks.append((row + j, token, member.params.logprobs))
+                    owners.append(member)
+                row += span.num_rows
+            for member, entry in zip(owners, host.logprobs.entries(picks), strict=True):
+                result.logprobs.setdefault(member, []).append(entry)
+        for ask, top in zip(self.prompt, host.prompt_logprobs, strict=True):
+            picks = [(j, t, ask.num_top) for j, t in enumerate(ask.targets)]
+            result.prompt_logprobs[ask.request] = top.entries(picks)
+        return result
+
+
+class LaunchedStep:
+    """A step whose work is queued on the device, its results' copy to the host queued behind
+    it: `wait()` brings them back. `members`: the requests that sample in it."""
+
+    def __init__(self, pending: PendingStep):
+        self.pending = pending
+        self.members = pending.members
+        self._copy = HostCopy(pending.device)
+        self._result: StepResult | None = None
 
     def wait(self) -> StepResult:
-        if self._collect is not None:
-            self._collect(self.result)
-            self._collect = None
-        return self.result
+        if self._result is None:
+            self._result = self.pending.resolve(self._copy.wait())  # the step's one wait
+        return self._result
 
 
 class ModelRunner:
@@ -186,36 +244,21 @@ class ModelRunner:
         lora = self._lora_batch(items)
         if lora is None and self.graphs is not None and self.graphs.fits(items):
             return self.graphs.forward(items, tables, self.sampled)
-        input_ids, positions, slots, seq_lens, query_lens, item_tables = [], [], [], [], [], []
-        bs = self.block_size
-        for item in items:
-            table = tables[item.request]
-            n = len(item.token_ids)
-            input_ids.extend(item.token_ids)
-            pos = range(item.start, item.start + n)
-            positions.extend(pos)
-            slots += slot_ids(table, item.start, n, bs)
-            seq_lens.append(item.start + n)
-            query_lens.append(n)
-            item_tables.append(table)
+        flat = flat_inputs(items, tables, self.block_size)
         meta = build_metadata(
-            seq_lens,
-            query_lens,
-            item_tables,
-            host_tensor(slots),
-            bs,
+            flat.seq_lens,
+            flat.query_lens,
+            flat.tables,
+            host_tensor(flat.slots),
+            self.block_size,
             self.cfg.sliding_window,
             self.attention_backend,
             fused_decode=lora is None and self.model.fused_decode,
         )
-        ids, pos = host_tensor(input_ids), host_tensor(positions)
+        ids, pos = host_tensor(flat.input_ids), host_tensor(flat.positions)
         ids, pos, meta, lora = to_device((ids, pos, meta, lora), self.device)
         fill_pending(ids, pending_inputs(items), self.sampled)
         return self.model(ids, pos, self.kv_caches, meta, lora)
-
-    def logits(self, hidden: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
-        """[len(rows) or M, vocab] float32 on the host: the LM head over these rows of hidden."""
-        return self.device_logits(hidden, rows).float().cpu()
 
     def device_logits(self, hidden: torch.Tensor, rows: list[int] | None) -> torch.Tensor:
         """[len(rows) or M, vocab] in the model's dtype, on its device."""
@@ -260,24 +303,17 @@ class ModelRunner:
             if start + base == request.num_tokens + request.num_pending:
                 verify_rows.append((request, row - 1 - len(drafts)))
         hidden = self.forward(items, tables)
-        prompt_copies, finish_prompt = self._prompt_logprobs(hidden, items)
-        members, sample_copies, finish_sample, self.sampled = self._sample(hidden, verify_rows)
-        copy = HostCopy([*sample_copies, *prompt_copies])  # queued behind the step's work
-        split = len(sample_copies)
+        pending = self._sample(hidden, verify_rows)
+        self._prompt_logprobs(hidden, items, pending)
+        return LaunchedStep(pending)
 
-        def collect(result: StepResult) -> None:
-            copies = copy.wait()  # the step's one wait for the device
-            finish_sample(copies[:split], result)
-            finish_prompt(copies[split:], result)
-
-        return LaunchedStep(StepResult(), members, collect)
-
-    def _sample(self, hidden: torch.Tensor, verify_rows):
-        """verify_rows: (request, row of its last real token); its drafts' rows follow.
-        Returns the requests that sample, the device tensors their results are read from,
-        finish(host copies of those, result) that records their tokens, and their tokens on
-        the device when kept (keep_sampled)."""
-        rows, spans, members = [], [], []
+    def _sample(self, hidden: torch.Tensor, verify_rows) -> PendingStep:
+        """verify_rows: (request, row of its last real token); its drafts' rows follow. Queues
+        the sampling (and verification) of every request that samples; keeps their tokens on
+        the device when asked (keep_sampled)."""
+        rows: list[int] = []
+        pending = PendingStep(DeviceResults())
+        spans, members = pending.spans, pending.members
         for request, row in verify_rows:
             drafts = request.spec_token_ids
             spans.append(
@@ -298,73 +334,50 @@ class ModelRunner:
                     spans.append(VerifyRow(len(rows), [], None, sibling.params.is_greedy, gen))
                     members.append(sibling)
                     rows.append(row)
+        self.sampled = None
         if not rows:
-            return [], [], lambda copies, result: None, None
+            return pending
         # Greedy requests that nothing reshapes need only their rows' argmax; the others' rows
         # go through grammar masks, the logits pipeline and verification.
-        is_fast = [argmax_suffices(m) for m in members]
+        pending.fast = [argmax_suffices(m) for m in members]
+        pending.slow = [i for i, fast in enumerate(pending.fast) if not fast]
         logits = self.device_logits(hidden, rows)  # [R, V] on the device
-        argmax = logits.argmax(dim=-1) if any(is_fast) else None  # [R]
-        slow = [i for i, fast in enumerate(is_fast) if not fast]
-        pending, finish_slow = [], None
-        if slow:
-            slow_rows = [r for i in slow for r in range(spans[i].start, spans[i].end)]
+        if any(pending.fast):
+            pending.device.argmax = logits.argmax(dim=-1)  # [R]
+        if pending.slow:
+            slow_rows = [r for i in pending.slow for r in range(spans[i].start, spans[i].end)]
             if len(slow_rows) < len(rows):
                 logits = logits[to_device(host_tensor(slow_rows), self.device)]
-            pending, finish_slow = self._verify(
-                logits.float(), [spans[i] for i in slow], [members[i] for i in slow]
-            )
-        sampled = None
+            self._verify(logits.float(), pending)
         if self.keep_sampled and not any(span.drafts for span in spans):
-            sampled = self._sampled_tokens(members, spans, is_fast, argmax, pending)
+            self.sampled = self._sampled_tokens(pending)
+        return pending
 
-        def finish(copies: list[torch.Tensor | None], result: StepResult) -> None:
-            argmax, *copies = copies
-            verdicts: list[VerifyResult | None] = [None] * len(spans)
-            if slow:
-                for i, verdict in zip(slow, finish_slow(copies, result), strict=True):
-                    verdicts[i] = verdict
-            if argmax is not None:
-                argmax = argmax.tolist()
-                for i, fast in enumerate(is_fast):
-                    if fast:
-                        verdicts[i] = verify_greedy(spans[i], argmax)
-            for span, member, verdict in zip(spans, members, verdicts, strict=True):
-                result.sampled.append((member, verdict.tokens))
-                if span.drafts:
-                    result.num_accepted[member] = verdict.num_accepted
-
-        return members, [argmax, *pending], finish, sampled
-
-    def _sampled_tokens(self, members, spans, is_fast, argmax, pending) -> SampledTokens:
+    def _sampled_tokens(self, pending: PendingStep) -> SampledTokens:
         """Every member's one token on the device (no drafts): its row's argmax, or what
         verification emitted for it."""
+        members, spans = pending.members, pending.spans
         tokens = torch.empty(len(members), dtype=torch.long, device=self.device)  # [M]
-        fast = [i for i, f in enumerate(is_fast) if f]
-        slow = [i for i, f in enumerate(is_fast) if not f]
+        fast = [i for i, f in enumerate(pending.fast) if f]
         if fast:
             at, rows = to_device(
                 (host_tensor(fast), host_tensor([spans[i].start for i in fast])), self.device
             )
-            tokens[at] = argmax[rows]
-        if slow:
-            tokens[to_device(host_tensor(slow), self.device)] = pending[0][:, 0].long()
+            tokens[at] = pending.device.argmax[rows]
+        if pending.slow:
+            at = to_device(host_tensor(pending.slow), self.device)
+            tokens[at] = pending.device.tokens[:, 0].long()
         return SampledTokens(tokens, {m: i for i, m in enumerate(members)})
 
-    def _verify(
-        self,
-        logits: torch.Tensor,  # [R, V] float32 on the device: these spans' rows in order
-        spans: list[VerifyRow],  # their starts index the step's rows, not logits'
-        members: list[Request],
-    ):
+    def _verify(self, logits: torch.Tensor, pending: PendingStep) -> None:
         """Grammar masks, the logits pipeline, verification and the logprobs asked for, queued
-        on the device. Returns the device tensors to copy to the host and finish(copies,
-        result) -> the verdicts, which records the logprobs in result."""
+        on the device, for the slow members (logits [R, V] float32: their rows in order)."""
         device, row = logits.device, 0
-        own_spans: list[VerifyRow] = []  # the spans with starts into logits
+        own_spans: list[VerifyRow] = []  # the slow spans with starts into logits
         views: list[Request | RequestAt] = []  # [R] what the logits pipeline sees at each row
         mask_rows: list[tuple[Request, list[int]]] = []  # [R] grammar: (request, drafts before)
-        for span, member in zip(spans, members, strict=True):
+        for i in pending.slow:
+            span, member = pending.spans[i], pending.members[i]
             own_spans.append(replace(span, start=row))
             row += span.num_rows
             for j in range(span.num_rows):
@@ -374,50 +387,34 @@ class ModelRunner:
             mask_logits(self.logits_masker, logits, mask_rows)
         batch = SamplingBatch.from_requests(views, self.cfg.vocab_size, device)
         processed = process_logits(logits, batch)
-        pending = verify_batched(processed, own_spans, self.generator, self.verify_kernel)
+        verify = verify_batched(processed, own_spans, self.generator, self.verify_kernel)
+        pending.verify = verify
+        pending.device.tokens, pending.device.num_accepted = verify.tokens, verify.num_accepted
         # Logprobs of every row of the requests that ask (where each walk ends is not known
-        # yet), each for the token the walk emits there; rows past its end are dropped later.
-        asking = [k for k, m in enumerate(members) if m.params.logprobs is not None]
-        lp = []
-        if asking:
-            lp_rows, lp_requests, lp_positions = [], [], []
-            for k in asking:
-                span = own_spans[k]
-                lp_rows += range(span.start, span.end)
-                lp_requests += [k] * span.num_rows
-                lp_positions += range(span.num_rows)
-            lp_rows, lp_requests, lp_positions = to_device(
-                (host_tensor(lp_rows), host_tensor(lp_requests), host_tensor(lp_positions)), device
-            )
-            emitted = pending.tokens[lp_requests, lp_positions].clamp(min=0)  # [L]
-            num_top = max(members[k].params.logprobs for k in asking)
-            lp = top_logprobs(torch.log_softmax(logits[lp_rows], dim=-1), emitted, num_top)
+        # yet), each for the token the walk emits there; resolve() keeps the rows it reached.
+        members = pending.members
+        slow = pending.slow
+        asking = [(k, i) for k, i in enumerate(slow) if members[i].params.logprobs is not None]
+        if not asking:
+            return
+        lp_rows, lp_requests, lp_positions = [], [], []
+        for k, i in asking:
+            span = own_spans[k]
+            lp_rows += range(span.start, span.end)
+            lp_requests += [k] * span.num_rows
+            lp_positions += range(span.num_rows)
+            pending.logprob_spans.append((i, span))
+        lp_rows, lp_requests, lp_positions = to_device(
+            (host_tensor(lp_rows), host_tensor(lp_requests), host_tensor(lp_positions)), device
+        )
+        emitted = verify.tokens[lp_requests, lp_positions].clamp(min=0)  # [L]
+        num_top = max(members[i].params.logprobs for _, i in asking)
+        logprobs = torch.log_softmax(logits[lp_rows], dim=-1)
+        pending.device.logprobs = TopLogprobs.gather(logprobs, emitted, num_top)
 
-        def finish(copies: list[torch.Tensor], result: StepResult) -> list[VerifyResult]:
-            verdicts = pending.results(copies[0].tolist(), copies[1].tolist())
-            if asking:
-                chosen, rank, values, ids = (t.tolist() for t in copies[2:])
-                j = 0
-                for k in asking:
-                    member, verdict = members[k], verdicts[k]
-                    for token in verdict.tokens:
-                        entry = logprob_entry(
-                            token, chosen[j], rank[j], values[j], ids[j], member.params.logprobs
-                        )
-                        result.logprobs.setdefault(member, []).append(entry)
-                        j += 1
-                    j += own_spans[k].num_rows - len(verdict.tokens)
-            return verdicts
-
-        return [pending.tokens, pending.num_accepted, *lp], finish
-
-    def _prompt_logprobs(self, hidden, items: list[ForwardItem]):
+    def _prompt_logprobs(self, hidden, items: list[ForwardItem], pending: PendingStep) -> None:
         """The top logprobs of the prompt positions this step computes, for the requests that
-        ask, queued on the device. Returns the tensors to copy to the host and
-        finish(host copies, result), which records them."""
-        if all(item.request.params.prompt_logprobs is None for item in items):
-            return [], lambda copies, result: None
-        tensors, asked = [], []  # asked: (request, its targets, num_top), 4 tensors each
+        ask, queued on the device."""
         start_row = 0
         for item in items:
             request, n, start = item.request, len(item.token_ids), item.start
@@ -434,16 +431,7 @@ class ModelRunner:
                     targets = request.token_ids[first + 1 : last + 1]
                     lp = torch.log_softmax(self.device_logits(h, None).float(), dim=-1)
                     emitted = to_device(host_tensor(targets), self.device)
-                    tensors += top_logprobs(lp, emitted, num_top)
-                    asked.append((request, targets, num_top))
+                    top = TopLogprobs.gather(lp, emitted, num_top)
+                    pending.device.prompt_logprobs.append(top)
+                    pending.prompt.append(PromptAsk(request, targets, num_top))
             start_row = rows_end
-
-        def finish(copies: list[torch.Tensor], result: StepResult) -> None:
-            for k, (request, targets, num_top) in enumerate(asked):
-                chosen, rank, values, ids = (t.tolist() for t in copies[4 * k : 4 * k + 4])
-                result.prompt_logprobs[request] = [
-                    logprob_entry(t, chosen[j], rank[j], values[j], ids[j], num_top)
-                    for j, t in enumerate(targets)
-                ]
-
-        return tensors, finish

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
-from engine.request import FINISH_REASONS, Request
+from engine.detokenizer import ExactDecoder, IncrementalDetokenizer
+from engine.request import FINISH_REASONS, Request, RequestStatus
 from engine.sampling_params import RequestOutputKind
 from engine.spec_stats import SpecStats
-
-if TYPE_CHECKING:
-    from engine.detokenizer import IncrementalDetokenizer
+from engine.stop import check_stop
 
 
 @dataclass(slots=True)
@@ -144,7 +142,7 @@ class OutputAccumulator:
         return out
 
 
-def decode_logprobs(decode, raw: dict[int, tuple[float, int]]) -> PositionLogprobs:
+def decode_logprobs(decode: ExactDecoder, raw: dict[int, tuple[float, int]]) -> PositionLogprobs:
     """One position's raw (logprob, rank) per token id, with each token's text (decode: the
     engine's ExactDecoder). Done once per position, when it is produced: outputs repeat it."""
     return {
@@ -155,13 +153,31 @@ def decode_logprobs(decode, raw: dict[int, tuple[float, int]]) -> PositionLogpro
 
 class RequestGroup:
     """What the user submitted: one prompt, n completions (one Request and one detokenizer
-    each), and what of them a DELTA stream has already carried."""
+    each), and what of them a DELTA stream has already carried. The first request leads: it
+    computes the prompt, and the others fork from it (they wait in FORK_PENDING)."""
 
-    def __init__(self, request_id: str, prompt: str | None, requests: list[Request], detoks):
+    def __init__(
+        self, request_id: str, prompt: str | None, requests: list[Request], decode: ExactDecoder
+    ):
         self.request_id = request_id
         self.prompt = prompt
         self.requests = requests
-        self.detokenizers: list[IncrementalDetokenizer] = detoks
+        self.leader = requests[0]
+        self.leader.siblings = requests[1:]
+        for sibling in requests[1:]:
+            sibling.status = RequestStatus.FORK_PENDING
+        params = self.leader.params
+        self._decode = decode
+        self.detokenizers = [
+            IncrementalDetokenizer(
+                decode,
+                r.prompt_token_ids,
+                params.skip_special_tokens,
+                params.stop,
+                params.include_stop_str_in_output,
+            )
+            for r in requests
+        ]
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
         self.sent: list[Sent] = [NOTHING_SENT] * len(requests)  # DELTA: per completion
         self.sent_prompt_logprobs = False
@@ -175,13 +191,38 @@ class RequestGroup:
         """The request whose own processing failed (Request.fail), if one did."""
         return next((r for r in self.requests if r.error), None)
 
+    def append(self, request: Request, token: int, logprobs, grammar) -> RequestStatus | None:
+        """Append a token to one of the group's completions (`request`): its grammar advances,
+        its logprobs (raw, this position's) are decoded, its stop conditions are checked.
+        Returns the finished status it reached, if any. A failure of the request's own grammar
+        or detokenizer fails it (Request.fail) and returns None."""
+        request.append_token(token)
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = time.monotonic()
+        try:
+            terminated = request.grammar is not None and grammar.commit(request, token)
+        except Exception as exc:
+            request.fail("grammar", exc)
+            return None
+        if logprobs is not None:  # decoded once here: outputs repeat them, step after step
+            request.logprobs.append(self.decode_logprobs(logprobs))
+            request.cumulative_logprob += logprobs[token][0]
+        try:
+            return check_stop(request, token, self.detokenizers[request.index], terminated)
+        except Exception as exc:
+            request.fail("detokenizer", exc)
+            return None
+
+    def decode_logprobs(self, raw: dict[int, tuple[float, int]]) -> PositionLogprobs:
+        return decode_logprobs(self._decode, raw)
+
     def make_output(self, with_spec: bool) -> RequestOutput | None:
         """The group's output after a step that touched it, as its output_kind asks: everything
         so far (CUMULATIVE), what is new (DELTA: completions with nothing new are left out),
         or nothing until it has finished (FINAL_ONLY). with_spec: the engine speculates, so
         metrics carry the group's speculation counters."""
         finished = self.finished
-        kind = self.requests[0].params.output_kind
+        kind = self.leader.params.output_kind
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
         completions = []
@@ -195,7 +236,7 @@ class RequestGroup:
                     continue  # nothing new of this completion
                 self.sent[request.index] = sent
             completions.append(completion(request, detok.text[chars:visible], tokens))
-        leader, failed = self.requests[0], self.failed
+        leader, failed = self.leader, self.failed
         prompt_lps = None
         if leader.params.prompt_logprobs is not None and not self.sent_prompt_logprobs:
             prompt_lps = [None, *leader.prompt_logprobs]

@@ -310,13 +310,42 @@ def exponential_race(
     return (probs / noise).argmax(dim=-1)
 
 
-def top_logprobs(
-    logprobs: torch.Tensor,  # [M, V] log-softmax of the raw logits
-    token_ids: torch.Tensor,  # [M] the token each row emitted
-    num_top: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(chosen logprob [M], chosen rank [M], top values [M, n], top ids [M, n])."""
-    chosen = logprobs.gather(1, token_ids[:, None])[:, 0]
-    rank = (logprobs > chosen[:, None]).sum(-1) + 1
-    values, ids = logprobs.topk(num_top, dim=-1)
-    return chosen, rank, values, ids
+# token id -> (logprob, rank) at one position: the chosen token's, then the top n
+RawLogprobs = dict[int, tuple[float, int]]
+
+
+@dataclass
+class TopLogprobs:
+    """Logprobs of M rows, gathered where the logits are: the chosen token's logprob [M] and
+    rank [M] (1 = most likely), the top n values and ids [M, n]. The same tensors on the host
+    give `entries`."""
+
+    chosen: torch.Tensor
+    rank: torch.Tensor
+    values: torch.Tensor
+    ids: torch.Tensor
+
+    @classmethod
+    def gather(
+        cls,
+        logprobs: torch.Tensor,  # [M, V] log-softmax of the raw logits
+        token_ids: torch.Tensor,  # [M] the token each row emitted
+        num_top: int,
+    ) -> TopLogprobs:
+        chosen = logprobs.gather(1, token_ids[:, None])[:, 0]
+        rank = (logprobs > chosen[:, None]).sum(-1) + 1
+        values, ids = logprobs.topk(num_top, dim=-1)
+        return cls(chosen, rank, values, ids)
+
+    def entries(self, picks: list[tuple[int, int, int]]) -> list[RawLogprobs]:
+        """Host tensors only. picks: (row, token the row emitted, n): per pick, the token's
+        (logprob, rank) and the row's top n."""
+        chosen, rank = self.chosen.tolist(), self.rank.tolist()
+        values, ids = self.values.tolist(), self.ids.tolist()
+        out = []
+        for row, token, num_top in picks:
+            entry = {token: (chosen[row], rank[row])}
+            for k in range(num_top):
+                entry.setdefault(ids[row][k], (values[row][k], k + 1))
+            out.append(entry)
+        return out

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
 
 
 @dataclass
@@ -180,10 +181,40 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def add_running(self, request: Request) -> None:
-        """A forked n > 1 sibling joins the running set directly."""
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
+    def fork(self, leader: Request, child: Request) -> None:
+        """An n > 1 sibling, once its leader's prompt is computed: it shares the leader's blocks
+        (copy-on-write on first append), counts and place among the running requests."""
+        self.kv.fork(leader, child)
+        child.num_computed_tokens = leader.num_computed_tokens
+        child.num_draft_computed = leader.num_draft_computed
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
+
+    def check_fits(self, num_prompt_tokens: int, params: SamplingParams, max_len: int) -> None:
+        """ValueError unless a request could ever run: its prompt within the context limit
+        (max_len) with room for one token, its n completions side by side, and every block it
+        may need at once within the pool."""
+        if num_prompt_tokens == 0:
+            raise ValueError("prompt must contain at least one token")
+        if num_prompt_tokens >= max_len:
+            raise ValueError(
+                f"prompt has {num_prompt_tokens} tokens, the context limit is {max_len} "
+                "(and at least one token must be generated)"
+            )
+        if params.n > self.max_num_seqs:
+            raise ValueError(
+                f"n={params.n} is over max_num_seqs={self.max_num_seqs}: the "
+                "completions of one prompt run side by side"
+            )
+        total = min(num_prompt_tokens + (params.max_tokens or max_len), max_len)
+        blocks = self.kv.blocks_needed
+        need = blocks(num_prompt_tokens) + params.n * (blocks(total - num_prompt_tokens) + 1)
+        if need > self.kv.pool.num_usable:
+            raise ValueError(
+                f"request needs up to {need} KV blocks ({total} tokens x n={params.n}) but the "
+                f"pool has {self.kv.pool.num_usable}; lower max_tokens or n, or give the KV "
+                "cache more memory"
+            )
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         if request in self.running:
@@ -197,7 +228,3 @@ class Scheduler:
         if request.grammar is not None:
             request.grammar.release()
         request.status = status
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)

@@ -180,7 +180,7 @@ def test_prefix_hit_leaves_the_last_token_to_compute():
     assert kv.allocate(a, 12) == (True, None)
     a.num_computed_tokens = 12
     kv.cache_blocks(a)
-    table_a = list(kv.table(a))
+    table_a = list(kv.block_tables.get(a, []))
     kv.free(a)
     b = make_request("b", list(range(12)), 4)
     assert kv.find_prefix(b) == table_a[:2]  # block 3 holds the last token: recomputed
@@ -200,14 +200,14 @@ def test_fork_shares_then_copies_on_write():
     child = make_request("c", list(range(6)), 4)
     kv.fork(parent, child)
     child.num_computed_tokens = 6
-    x, y = kv.table(parent)
-    assert kv.table(child) == [x, y] and kv.pool.ref_counts[x] == kv.pool.ref_counts[y] == 2
+    x, y = kv.block_tables[parent]
+    assert kv.block_tables[child] == [x, y] and kv.pool.ref_counts[x] == kv.pool.ref_counts[y] == 2
     child.append_token(100)
     ok, copy = kv.allocate(child, 1)
     assert ok and copy is not None and copy[0] == y
     # The source stays held until the step's copies have run (a sharer preempted in the same
     # schedule cannot hand it to someone else before it is read).
-    assert kv.table(child) == [x, copy[1]] and kv.pool.ref_counts[y] == 2
+    assert kv.block_tables.get(child, []) == [x, copy[1]] and kv.pool.ref_counts[y] == 2
     kv.release_copy_sources()
     assert kv.pool.ref_counts[y] == 1
     parent.append_token(200)
@@ -323,7 +323,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         for r in out.preempted:
             assert r.status == RequestStatus.PREEMPTED and r not in out.requests
             assert r not in self.kv.block_tables and r.num_computed_tokens == 0
-        if self.sched.num_unfinished and not out.requests:
+        if (self.sched.waiting or self.sched.running) and not out.requests:
             self.num_empty_steps += 1
             assert self.num_empty_steps < 2, "two schedules in a row did no work"
         else:
@@ -350,7 +350,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             if r in admitted:  # starts at its prefix hit, which leaves >= 1 token to compute
                 assert r.num_computed_tokens % self.bs == 0 and r.num_computed_tokens < r.num_tokens
                 assert r.num_cached_tokens >= 0
-            table, keys = self.kv.table(r), slot_keys(r)
+            table, keys = self.kv.block_tables.get(r, []), slot_keys(r)
             assert len(table) == self.kv.blocks_needed(r.num_computed_tokens + n)
             for p in range(r.num_computed_tokens, r.num_computed_tokens + n):
                 block = table[p // self.bs]
@@ -372,7 +372,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert not self.kv.uncomputed
         assert all(self.pool.block_hashes[b] is None for b in ahead)
         for r in out.requests:
-            assert r in self.sched.waiting and not self.kv.table(r)
+            assert r in self.sched.waiting and not self.kv.block_tables.get(r, [])
 
     @precondition(lambda self: self.caught_up())
     @rule(pick=st.integers(0, 99), token=st.integers(0, 3))
@@ -388,9 +388,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             parent.cache_extra_keys,
         )
         child.append_token(token)
-        self.kv.fork(parent, child)
-        child.num_computed_tokens = parent.num_computed_tokens
-        self.sched.add_running(child)
+        self.sched.fork(parent, child)
 
     @precondition(lambda self: self.sched.running)
     @rule(pick=st.integers(0, 99))
@@ -449,10 +447,10 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert set(self.kv.block_tables) <= set(live)
         for r in self.sched.waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-            assert r.num_computed_tokens == 0 and not self.kv.table(r)
+            assert r.num_computed_tokens == 0 and not self.kv.block_tables.get(r, [])
         for r in self.sched.running:
             assert r.status == RequestStatus.RUNNING
-            table = self.kv.table(r)
+            table = self.kv.block_tables.get(r, [])
             assert len(table) == self.kv.blocks_needed(r.num_computed_tokens)
             keys = slot_keys(r)
             for p in range(r.num_computed_tokens):

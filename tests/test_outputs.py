@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 import engine.llm_engine as llm_engine
+import engine.outputs as outputs
 from engine import LLM, RequestOutputKind, SamplingParams
 from engine.llm_engine import LLMEngine
 
@@ -147,10 +148,14 @@ def test_logprobs_are_decoded_once_per_position(llm, monkeypatch):
     text once, when it is produced (decoding them all again per output was quadratic)."""
     engine = llm.engine
     calls = []
-    real = llm_engine.decode_logprobs
-    monkeypatch.setattr(
-        llm_engine, "decode_logprobs", lambda decode, raw: calls.extend(raw) or real(decode, raw)
-    )
+    real = outputs.decode_logprobs
+
+    def counted(decode, raw):
+        calls.extend(raw)
+        return real(decode, raw)
+
+    for module in (llm_engine, outputs):  # prompt positions, output positions
+        monkeypatch.setattr(module, "decode_logprobs", counted)
     p = params(RequestOutputKind.CUMULATIVE, n=1, stop=None, max_tokens=24, ignore_eos=True)
     outs = run(engine, {"c": p})["c"]
     assert len(outs) > 5

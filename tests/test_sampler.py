@@ -12,7 +12,7 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 from engine import LLM, SamplingParams
 from engine import sampler as sampler_mod
 from engine.request import Request
-from engine.sampler import SamplingBatch, process_logits, sample, top_logprobs
+from engine.sampler import SamplingBatch, TopLogprobs, process_logits, sample
 from models import make_tiny_model
 
 V = 10  # synthetic vocabulary
@@ -284,11 +284,15 @@ def test_min_tokens_ban_beats_positive_bias():
 
 def test_top_logprobs_rank_and_values():
     lp = torch.log_softmax(torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.0, 0.0, 1.0, -1.0]]), -1)
-    chosen, rank, values, ids = top_logprobs(lp, torch.tensor([2, 3]), 2)
-    torch.testing.assert_close(chosen, lp[[0, 1], [2, 3]])
-    assert rank.tolist() == [2, 4]
-    assert ids[0].tolist() == [1, 2] and ids[1, 0] == 2
-    torch.testing.assert_close(values, lp.topk(2, dim=-1).values)
+    top = TopLogprobs.gather(lp, torch.tensor([2, 3]), 2)
+    torch.testing.assert_close(top.chosen, lp[[0, 1], [2, 3]])
+    assert top.rank.tolist() == [2, 4]
+    assert top.ids[0].tolist() == [1, 2] and top.ids[1, 0] == 2
+    torch.testing.assert_close(top.values, lp.topk(2, dim=-1).values)
+    first, second = top.entries([(0, 2, 2), (1, 3, 1)])
+    v = lp.tolist()
+    assert first == {2: (v[0][2], 2), 1: (v[0][1], 1)}  # the chosen token, then the top 2
+    assert second == {3: (v[1][3], 4), 2: (v[1][2], 1)}
 
 
 # ---- the sampled distribution --------------------------------------------------------------

@@ -143,7 +143,7 @@ def assert_clean_and_serving(llm: LLM) -> None:
     """Nothing left behind by a rejection, and the engine still serves."""
     engine = llm.engine
     assert not engine.has_unfinished_requests()
-    assert engine.scheduler.num_unfinished == 0
+    assert not engine.scheduler.waiting and not engine.scheduler.running
     assert engine.kv.pool.num_free == engine.kv.pool.num_usable
     (out,) = llm.generate([[65, 66, 67]], GREEDY, use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"

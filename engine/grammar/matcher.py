@@ -22,9 +22,10 @@ import xgrammar as xgr
 from engine.config import MAX_SPECULATIVE_TOKENS
 from engine.device import to_device
 from engine.errors import RequestError
+from engine.grammar.compiler import GrammarCompiler, tokenizer_info
 
 if TYPE_CHECKING:
-    from engine.grammar.compiler import GrammarCompiler
+    from engine.config import EngineConfig
     from engine.request import Request
 
 # Rows of one verification span: every draft plus the bonus position.
@@ -132,6 +133,18 @@ class GrammarManager:
         self.num_drafts_cut = 0  # proposed drafts the grammar refused before verification
         self.seconds = 0.0  # spent in masks, forced tokens, draft checks and commits
         self.jump_forward = True  # False: only single-allowed tokens are forced
+
+    @classmethod
+    def build(
+        cls, tokenizer, vocab_size: int, eos_token_ids: set[int], max_rows: int, cfg: EngineConfig
+    ) -> GrammarManager:
+        """A manager with its own compiler, cached and timed as the engine's config says."""
+        compiler = GrammarCompiler(
+            tokenizer_info(tokenizer, vocab_size, eos_token_ids),
+            cfg.grammar_cache_size,
+            cfg.grammar_compile_timeout,
+        )
+        return cls(compiler, tokenizer, vocab_size, max_rows)
 
     def attach(self, request: Request, compiled: xgr.CompiledGrammar, kind: str) -> None:
         request.grammar = RequestGrammar(compiled, kind, self)

@@ -25,6 +25,10 @@ class ModelConfig:
     sliding_window: int | None
     hidden_act: str
 
+    def kv_bytes_per_block(self, block_size: int, element_bytes: int = 4) -> int:
+        """One KV block's bytes: K and V of every layer and KV head, block_size positions."""
+        return self.num_layers * 2 * self.num_kv_heads * block_size * self.head_dim * element_bytes
+
     @classmethod
     def from_hf(cls, hf) -> ModelConfig:
         if hf.model_type not in SUPPORTED_ARCHITECTURES:

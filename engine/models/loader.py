@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.config import QUANTIZATIONS, EngineConfig
 from engine.models.config import ModelConfig
@@ -208,10 +208,18 @@ def read_generation_eos(path: str | Path) -> set[int]:
 
 @dataclass
 class EngineModels:
-    path: Path  # the target's directory: tokenizer, generation config
+    path: Path  # the target's directory
     model: LlamaForCausalLM
     cfg: ModelConfig
     draft: tuple[LlamaForCausalLM, ModelConfig] | None  # with spec_method="draft"
+    tokenizer: PreTrainedTokenizerBase
+    eos_token_ids: set[int]  # the generation config's and the tokenizer's
+
+    def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        """The draft model's KV lives in the same blocks as the target's: both count."""
+        cfgs = [self.cfg] + ([self.draft[1]] if self.draft else [])
+        element_bytes = torch.empty((), dtype=dtype).element_size()
+        return sum(c.kv_bytes_per_block(block_size, element_bytes) for c in cfgs)
 
 
 def load_engine_models(config: EngineConfig) -> EngineModels:
@@ -223,8 +231,10 @@ def load_engine_models(config: EngineConfig) -> EngineModels:
     quantization = None if self_draft else config.quantization
     path = resolve_model(config.model, dense=needs_dense(quantization, device))
     model, cfg, _ = load_model(path, device=device, dtype=dtype, quantization=quantization)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    eos = read_generation_eos(path) | {tokenizer.eos_token_id} - {None}
     if config.spec_method != "draft":
-        return EngineModels(path, model, cfg, None)
+        return EngineModels(path, model, cfg, None, tokenizer, eos)
     dense = needs_dense(config.draft_quantization, device)
     draft_path = path if self_draft else resolve_model(config.draft_model, dense)
     draft_model, draft_cfg, _ = load_model(
@@ -238,4 +248,4 @@ def load_engine_models(config: EngineConfig) -> EngineModels:
             f"draft_model vocabulary ({draft_cfg.vocab_size}) differs from the target's "
             f"({cfg.vocab_size}); the two models must share a tokenizer"
         )
-    return EngineModels(path, model, cfg, (draft_model, draft_cfg))
+    return EngineModels(path, model, cfg, (draft_model, draft_cfg), tokenizer, eos)
