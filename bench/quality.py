@@ -3,7 +3,7 @@
 Both models read the same token ids; at every position we take the log-probability of the
 text's next token (for perplexity) and the top-1 prediction. A quantized model passes against
 its exact reference when its perplexity is within 1% and its top-1 token agrees at >= 95% of
-positions (issue 23's rule; tests/test_quantized.py applies it, bench/peers.py reports it).
+positions (issue 23's rule; tests/engine/test_quantized.py applies it, bench/peers.py reports it).
 """
 
 from __future__ import annotations

@@ -265,7 +265,7 @@ def start_server(args, adapters: dict[str, str]) -> tuple[subprocess.Popen, str]
 
 
 def run(args) -> dict:
-    """The whole soak; returns the figures (also used by tests/test_soak.py)."""
+    """The whole soak; returns the figures (also used by tests/e2e/test_soak.py)."""
     from transformers import AutoConfig
 
     from engine.models.config import ModelConfig

@@ -15,7 +15,7 @@ sub-scales are exact there.
 - "dense": the weight dequantized in the model's dtype (CUDA, or CPUs where neither runs).
 `TANDEM_QUANT_KERNEL=tandem|int4pack|dense` forces one (tests run the same checks over each).
 Each backend's exact arithmetic is written out in `reference_matmul`, the oracle of its tests;
-the quality rule against the float32 weights is tests/test_quantized.py's.
+the quality rule against the float32 weights is tests/engine/test_quantized.py's.
 """
 
 from __future__ import annotations

@@ -13,18 +13,12 @@ from engine import LLM, SamplingParams
 from engine import sampler as sampler_mod
 from engine.request import Request
 from engine.sampler import SamplingBatch, TopLogprobs, process_logits, sample
-from models import make_tiny_model
 
 V = 10  # synthetic vocabulary
 EOS = 9
 NEG_INF = float("-inf")
 PROBS = [0.5, 0.2, 0.15, 0.1, 0.05]  # top-p / min-p table, before PERM
 PERM = [3, 0, 4, 1, 2]  # token PERM[i] gets PROBS[i]: sorting must not be assumed
-
-
-@pytest.fixture(scope="session")
-def sampler_model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama-sampler"), "llama")
 
 
 def make_request(params: SamplingParams, prompt=(1, 2, 3), output=(), rid="r") -> Request:
@@ -389,8 +383,8 @@ def test_seeded_row_independent_of_position_and_neighbours():
     assert len(set(alone)) > 3  # the draws are random, not constant
 
 
-def test_seeded_request_through_engine_any_batch_position(sampler_model):
-    llm = LLM(str(sampler_model), num_kv_blocks=128, seed=0)
+def test_seeded_request_through_engine_any_batch_position(tiny_llama):
+    llm = LLM(str(tiny_llama), num_kv_blocks=128, seed=0)
     target = SamplingParams(temperature=1.0, seed=42, max_tokens=12, ignore_eos=True)
     prompt = list(range(60, 80))
 

@@ -15,7 +15,6 @@ import pytest
 import engine.block_pool
 from engine import LLM, SamplingParams
 from engine.request import Request
-from models import make_tiny_model
 
 BS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -24,8 +23,8 @@ _request_ids = itertools.count()
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return str(make_tiny_model(tmp_path_factory.mktemp("tiny-prefix"), "llama"))
+def model_dir(tiny_llama):
+    return str(tiny_llama)
 
 
 def tokens(n: int, seed: int) -> list[int]:

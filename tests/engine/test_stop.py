@@ -9,26 +9,21 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.detokenizer import ExactDecoder, IncrementalDetokenizer
-from models import byte_tokenizer, make_tiny_model
+from models import byte_tokenizer
 
 EOS = 256
 PROMPT = "Hello, world!"
 NUM_CONTINUATION = 40
 
 
-@pytest.fixture(scope="session")
-def stop_model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama-stop"), "llama")
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(str(tiny_llama), num_kv_blocks=64, max_model_len=128)
 
 
 @pytest.fixture(scope="module")
-def llm(stop_model):
-    return LLM(str(stop_model), num_kv_blocks=64, max_model_len=128)
-
-
-@pytest.fixture(scope="module")
-def hf_model(stop_model):
-    return AutoModelForCausalLM.from_pretrained(stop_model, dtype=torch.float32).eval()
+def hf_model(tiny_llama):
+    return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
 
 
 def greedy(**kw) -> SamplingParams:
@@ -79,8 +74,8 @@ def test_max_tokens_exact(llm, continuation, max_tokens):
     assert out.finish_reason == "length" and out.stop_reason is None
 
 
-def test_max_tokens_none_runs_to_context_limit(stop_model):
-    llm = LLM(str(stop_model), num_kv_blocks=16, max_model_len=24)
+def test_max_tokens_none_runs_to_context_limit(tiny_llama):
+    llm = LLM(str(tiny_llama), num_kv_blocks=16, max_model_len=24)
     prompt = [1, 2, 3, 4, 5]
     out = complete(llm, greedy(max_tokens=None), prompt)
     assert len(out.token_ids) == 24 - len(prompt) and out.finish_reason == "length"
@@ -356,8 +351,8 @@ def test_logprobs_match_hf(llm, hf_model, params):
 
 
 @pytest.mark.parametrize("chunk", [16, 1024])
-def test_prompt_logprobs_match_hf(stop_model, hf_model, chunk):
-    llm = LLM(str(stop_model), num_kv_blocks=64, max_num_batched_tokens=chunk)
+def test_prompt_logprobs_match_hf(tiny_llama, hf_model, chunk):
+    llm = LLM(str(tiny_llama), num_kv_blocks=64, max_num_batched_tokens=chunk)
     prompt = list(range(40, 80)) + [33] * 5  # chunked prefill splits it at 16 and 32
     params = greedy(max_tokens=2, prompt_logprobs=2)
     (out,) = llm.generate([prompt], params, use_tqdm=False)
@@ -371,9 +366,9 @@ def test_prompt_logprobs_match_hf(stop_model, hf_model, chunk):
 
 
 @pytest.fixture(scope="module")
-def preempted_run(stop_model):
+def preempted_run(tiny_llama):
     """Two requests that cannot both fit: one is preempted and recomputed."""
-    llm = LLM(str(stop_model), num_kv_blocks=7, block_size=16, max_model_len=128)
+    llm = LLM(str(tiny_llama), num_kv_blocks=7, block_size=16, max_model_len=128)
     prompts = [list(range(10, 30)), list(range(40, 60))]
     params = greedy(max_tokens=40, prompt_logprobs=1)
     outs = llm.generate(prompts, params, use_tqdm=False)

@@ -20,7 +20,7 @@ from playground.server import ServerState, build_app
 from playground.ui import mount_playground
 
 MODEL = "smollm2-135m-instruct"
-ARTIFACTS = Path(os.environ.get("TANDEM_TEST_ARTIFACTS", Path(__file__).parent / "artifacts"))
+ARTIFACTS = Path(os.environ.get("TANDEM_TEST_ARTIFACTS", Path(__file__).parents[1] / "artifacts"))
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import pytest
 
 import engine.model_runner as model_runner
 from engine import LLM, SamplingParams
-from models import VOCAB, make_tiny_model
+from models import VOCAB
 
 MAX_MODEL_LEN = 64
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -129,14 +129,9 @@ def test_normalisation():
 
 
 # ---- through the engine --------------------------------------------------------------------
-@pytest.fixture(scope="session")
-def params_model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama-params"), "llama")
-
-
 @pytest.fixture(scope="module")
-def llm(params_model):
-    return LLM(str(params_model), num_kv_blocks=32, max_model_len=MAX_MODEL_LEN)
+def llm(tiny_llama):
+    return LLM(str(tiny_llama), num_kv_blocks=32, max_model_len=MAX_MODEL_LEN)
 
 
 def assert_clean_and_serving(llm: LLM) -> None:
@@ -205,8 +200,8 @@ def test_prompt_token_out_of_range_rejected(llm, bad_id):
     assert_clean_and_serving(llm)
 
 
-def test_request_larger_than_kv_pool_rejected(params_model):
-    llm = LLM(str(params_model), num_kv_blocks=4, block_size=8, max_model_len=MAX_MODEL_LEN)
+def test_request_larger_than_kv_pool_rejected(tiny_llama):
+    llm = LLM(str(tiny_llama), num_kv_blocks=4, block_size=8, max_model_len=MAX_MODEL_LEN)
     with pytest.raises(ValueError, match="KV blocks"):
         llm.engine.add_request("big", [1] * 20, SamplingParams(max_tokens=30))
     with pytest.raises(ValueError, match="n=3"):

@@ -1,0 +1,139 @@
+"""BlockPool: ref counts, the free queue, prefix-cache hashes and eviction."""
+
+from __future__ import annotations
+
+import pytest
+from blocks import chain, make_request
+
+from engine.block_pool import NULL_BLOCK, BlockPool, hash_block
+
+# ---- BlockPool -----------------------------------------------------------------------------
+
+
+def test_null_block_is_never_allocated():
+    pool = BlockPool(5)
+    assert pool.num_usable == pool.num_free == 4
+    blocks = pool.allocate(4)
+    assert sorted(blocks) == [1, 2, 3, 4] and NULL_BLOCK not in blocks
+    assert pool.num_free == 0 and pool.ref_counts[NULL_BLOCK] == 0
+    with pytest.raises(MemoryError):
+        pool.allocate(1)
+    pool.free(blocks)
+    assert NULL_BLOCK not in pool.free_queue
+    with pytest.raises(MemoryError):
+        pool.allocate(5)  # the null block does not count as capacity
+
+
+def test_too_small_pool_rejected():
+    with pytest.raises(ValueError, match="num_blocks"):
+        BlockPool(1)
+
+
+def test_allocate_touch_free_ref_counts():
+    pool = BlockPool(6)
+    a, b = pool.allocate(2)
+    assert pool.ref_counts[a] == pool.ref_counts[b] == 1
+    pool.touch([a, b])
+    pool.touch([a])
+    assert (pool.ref_counts[a], pool.ref_counts[b]) == (3, 2)
+    pool.free([a, b])
+    assert (pool.ref_counts[a], pool.ref_counts[b]) == (2, 1)
+    assert a not in pool.free_queue and b not in pool.free_queue
+    pool.free([a, b])
+    assert pool.ref_counts[b] == 0 and b in pool.free_queue and a not in pool.free_queue
+    pool.free([a])
+    assert pool.num_free == pool.num_usable
+
+
+def test_touch_takes_a_free_block_out_of_the_queue():
+    pool = BlockPool(4)
+    (a,) = pool.allocate(1)
+    pool.free([a])
+    assert a in pool.free_queue
+    pool.touch([a])
+    assert a not in pool.free_queue and pool.ref_counts[a] == 1
+    assert a not in pool.allocate(2)
+
+
+def test_double_free_asserts():
+    pool = BlockPool(4)
+    (a,) = pool.allocate(1)
+    pool.free([a])
+    with pytest.raises(AssertionError, match="double free"):
+        pool.free([a])
+    with pytest.raises(AssertionError, match="double free"):
+        pool.free([2])  # never allocated
+
+
+def test_free_queue_is_lru_and_a_request_tail_goes_first():
+    pool = BlockPool(8)
+    first = pool.allocate(3)
+    second = pool.allocate(3)
+    assert first == [1, 2, 3] and second == [4, 5, 6]
+    pool.free(first)
+    pool.free(second)
+    # The never-used block 7 first, then each request tail-first, in the order freed.
+    assert list(pool.free_queue) == [7, 3, 2, 1, 6, 5, 4]
+    assert pool.allocate(7) == [7, 3, 2, 1, 6, 5, 4]
+
+
+def test_cached_block_reused_until_evicted():
+    pool = BlockPool(4)
+    h = hash_block(None, [1, 2, 3, 4])
+    (a,) = pool.allocate(1)
+    pool.cache_block(a, h)
+    assert pool.lookup(h) == a and pool.block_hashes[a] == h
+    pool.free([a])
+    assert pool.lookup(h) == a and pool.num_cached_free == 1  # free, yet still a hit
+    pool.touch([a])  # a prefix hit revives it
+    assert pool.ref_counts[a] == 1 and pool.num_free == 2
+    pool.free([a])
+    got = pool.allocate(2)  # the two never-used blocks go before the cached one
+    assert a not in got and pool.lookup(h) == a and pool.num_evictions == 0
+    assert pool.allocate(1) == [a]  # allocation pressure reaches it: evicted
+    assert pool.lookup(h) is None and pool.block_hashes[a] is None
+    assert pool.num_evictions == 1
+
+
+def test_cache_block_first_holder_wins():
+    pool = BlockPool(4)
+    h = hash_block(None, [7] * 4)
+    a, b = pool.allocate(2)
+    pool.cache_block(a, h)
+    pool.cache_block(b, h)
+    assert pool.lookup(h) == a and pool.block_hashes[b] is None
+    pool.cache_block(a, hash_block(None, [8] * 4))  # a block keeps its first hash
+    assert pool.block_hashes[a] == h and len(pool.cached) == 1
+    # Evicting the loser must not drop the winner's entry.
+    pool.free([b])
+    pool.allocate(2)
+    assert pool.lookup(h) == a
+
+
+def test_caching_disabled_and_reset():
+    off = BlockPool(3, enable_caching=False)
+    (a,) = off.allocate(1)
+    off.cache_block(a, b"h")
+    assert off.lookup(b"h") is None and off.block_hashes[a] is None
+
+    pool = BlockPool(4)
+    a, b = pool.allocate(2)
+    pool.cache_block(a, b"x")
+    pool.cache_block(b, b"y")
+    pool.free([a])
+    pool.reset_prefix_cache()  # only free blocks lose their hashes
+    assert pool.lookup(b"x") is None and pool.lookup(b"y") == b
+    assert pool.num_evictions == 1
+
+
+def test_hash_block_chains_tokens_and_extra_keys():
+    h1 = hash_block(None, [1, 2])
+    assert h1 == hash_block(None, [1, 2]) and len(h1) == 32
+    assert h1 != hash_block(None, [2, 1])
+    assert h1 != hash_block(None, [1, 2], b"salt")
+    assert hash_block(h1, [3, 4]) != hash_block(hash_block(None, [9, 2]), [3, 4])
+    req = make_request("r", list(range(11)), 4, b"salt")
+    assert req.full_block_hashes() == chain(list(range(11)), 4, b"salt")
+    assert len(req.block_hashes) == 2
+    req.append_token(11)
+    assert req.full_block_hashes() == chain(list(range(12)), 4, b"salt")
