@@ -244,10 +244,13 @@ class Playground:
                         adaptive = gr.Checkbox(value=True, label="adaptive k (k is the cap)")
                     adapter = gr.Dropdown([BASE, *state.adapters], value=BASE, label="LoRA adapter")
                     with gr.Accordion("Constraint", open=False):
-                        constraint_kind = gr.Dropdown(CONSTRAINTS, value="none", label="kind")
+                        constraint_kind = gr.Dropdown(
+                            CONSTRAINTS, value="none", label="kind", elem_id="constraint-kind"
+                        )
                         constraint_text = gr.Textbox(
                             lines=4,
                             label="JSON schema / regex / EBNF grammar / choices (one per line)",
+                            elem_id="constraint-text",
                         )
                     with gr.Accordion("Load test", open=True):
                         num_requests = gr.Slider(2, 32, value=12, step=1, label="requests")

@@ -142,20 +142,41 @@ def test_directory_passes_through(converted):
     assert resolve_model(str(path)) == path
 
 
-def test_hf_greedy_next_token_deterministic(converted):
+@pytest.mark.parametrize("layer", [0, 29])
+def test_conversion_equals_an_independent_decode_of_the_gguf(converted, layer):
+    """The dense checkpoint (transformers' GGUF dequantization, Q/K rows un-permuted by its
+    loader) equals our own block decoder's reading of the same file (engine.models.gguf_blocks,
+    our un-permutation): two implementations agree on every weight of a layer and the
+    embedding. A wrong Q/K row order, checked with the permutation left out, does not."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from safetensors import safe_open
+
+    from engine.models.gguf_loader import GGUFWeights, unpermute_rows
 
     path = converted[1]
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = tok("The capital of France is", return_tensors="pt").input_ids
-    with torch.no_grad():
-        first = model(ids).logits[0, -1]
-        second = model(ids).logits[0, -1]
-    assert torch.isfinite(first).all()
-    assert int(first.argmax()) == int(second.argmax())
-    assert tok.decode([int(first.argmax())]).strip()
+    gguf = GGUFWeights(path / EMBEDDED_MODELS[SMOL].gguf_file)
+    config = json.loads((path / "config.json").read_text())
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config["hidden_size"] // heads
+    names = {
+        "attn_q": ("self_attn.q_proj", unpermute_rows(heads * head_dim, heads)),
+        "attn_k": ("self_attn.k_proj", unpermute_rows(kv_heads * head_dim, kv_heads)),
+        "attn_v": ("self_attn.v_proj", None),
+        "attn_output": ("self_attn.o_proj", None),
+        "ffn_gate": ("mlp.gate_proj", None),
+        "ffn_up": ("mlp.up_proj", None),
+        "ffn_down": ("mlp.down_proj", None),
+    }
+    with safe_open(str(path / "model.safetensors"), "pt") as dense:
+        for gguf_name, (hf_name, order) in names.items():
+            ours = gguf.quantized(f"blk.{layer}.{gguf_name}.weight", order).dequantize()
+            theirs = dense.get_tensor(f"model.layers.{layer}.{hf_name}.weight")
+            torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7, msg=hf_name)
+            if order is not None:  # the permutation matters: without it, rows differ
+                stored = gguf.quantized(f"blk.{layer}.{gguf_name}.weight").dequantize()
+                assert not torch.allclose(stored, theirs, rtol=1e-3, atol=1e-4)
+        embedding = gguf.quantized("token_embd.weight").dequantize()
+        torch.testing.assert_close(embedding, dense.get_tensor("model.embed_tokens.weight"))
 
 
 def test_missing_package_names_pip_command(monkeypatch, tmp_path):

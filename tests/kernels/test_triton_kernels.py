@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kernels import reference
-from kernels.triton_attention import paged_attention, store_kv  # TRITON_INTERPRET: conftest
+from kernels.triton_attention import _split_size, paged_attention, store_kv  # TRITON_INTERPRET
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -222,9 +224,71 @@ def test_split_decode_equals_reference(num_splits, num_heads, num_kv_heads, bloc
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_split_decode_merge_is_not_a_plain_average():
-    """A broken merge (equal weights per split) fails the same comparison: the splits must be
-    weighted by their log-sum-exp."""
+@triton.jit
+def _broken_merge_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    seq_lens_ptr,
+    num_heads,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    MODE: tl.constexpr,  # 0: every live split weighs the same; 1: earlier passes not rescaled
+):
+    """kernels.triton_attention._decode_merge_kernel with one deliberate mistake."""
+    row = tl.program_id(0)
+    seq_len = tl.load(seq_lens_ptr + row // num_heads)
+    num_blocks, per_split = _split_size(seq_len, num_splits, BLOCK_SIZE)
+    live = (num_blocks + per_split - 1) // per_split
+    d = tl.arange(0, BLOCK_D)
+    d_valid = d < HEAD_DIM
+    top = float("-inf")
+    total = 0.0
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for first in range(0, live, BLOCK_S):
+        s = first + tl.arange(0, BLOCK_S)
+        s_valid = s < live
+        lse = tl.load(part_lse_ptr + row * num_splits + s, mask=s_valid, other=float("-inf"))
+        if MODE == 0:
+            lse = tl.where(s_valid, 0.0, float("-inf"))
+        new_top = tl.maximum(top, tl.max(lse, axis=0))
+        correction = tl.exp(top - new_top)
+        if MODE == 1:
+            correction = 1.0
+        weights = tl.exp(lse - new_top)
+        parts = tl.load(
+            part_out_ptr + (row * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
+            mask=s_valid[:, None] & d_valid[None, :],
+            other=0.0,
+        )
+        acc = acc * correction + tl.sum(parts * weights[:, None], axis=0)
+        total = total * correction + tl.sum(weights, axis=0)
+        top = new_top
+    out = acc / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty), mask=d_valid)
+
+
+def broken_merge(mode: int):
+    """Stands in for the merge kernel at its launch: `kernel[grid](...)`."""
+
+    class Launcher:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: _broken_merge_kernel[grid](*args, MODE=mode, **kwargs)
+
+    return Launcher()
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_split_decode_merge_is_not_a_plain_average(monkeypatch):
+    """The splits must be weighted by their log-sum-exp: the merge passes, and a broken merge
+    (equal weights per split) fails the same comparison."""
+    from kernels import triton_attention
     from kernels.triton_attention import paged_decode_attention
 
     gen = torch.Generator().manual_seed(3)
@@ -232,9 +296,12 @@ def test_split_decode_merge_is_not_a_plain_average():
         [1], [100], 2, 2, 16, 16, gen, torch.float32
     )
     k_cache[:, tables[0, 0]] *= 4  # the first split's keys dominate
-    got = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 1.0, 7)
     want = reference.varlen_paged_attention(q, k_cache, v_cache, tables, starts, seq_lens, 1.0)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert close(paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 1.0, 7), want)
+    monkeypatch.setattr(triton_attention, "_decode_merge_kernel", broken_merge(0))
+    assert not close(paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 1.0, 7), want)
+    # One split has nothing to weigh: the broken merge is right there (so it does run).
+    assert close(paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 1.0, 1), want)
 
 
 def test_split_decode_ignores_the_table_width():
@@ -256,10 +323,11 @@ def test_split_decode_ignores_the_table_width():
     assert decode_splits(256, 8, 8193) == 1
 
 
-def test_split_decode_merges_more_splits_than_one_tile():
+def test_split_decode_merges_more_splits_than_one_tile(monkeypatch):
     """Over MERGE_SPLITS splits the merge runs in several passes with a running maximum: the
     dominant split sits in a later pass than the first, so a merge that does not rescale what
-    it summed before fails."""
+    it summed before fails (run here)."""
+    from kernels import triton_attention
     from kernels.triton_attention import MERGE_SPLITS, paged_decode_attention
 
     gen = torch.Generator().manual_seed(4)
@@ -273,6 +341,10 @@ def test_split_decode_merges_more_splits_than_one_tile():
     got = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 1.0, num_splits)
     want = reference.varlen_paged_attention(q, k_cache, v_cache, tables, starts, seq_lens, 1.0)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    monkeypatch.setattr(triton_attention, "_decode_merge_kernel", broken_merge(1))
+    broken = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 1.0, num_splits)
+    assert close(broken[0], want[0])  # no context: nothing to rescale
+    assert not close(broken[1], want[1]) and not close(broken[2], want[2])
 
 
 @pytest.mark.gpu

@@ -66,9 +66,13 @@ def test_page_streams_and_shows_block_tables(playground):
             page.wait_for_selector("#generate", timeout=60_000)
             page.fill("#prompt textarea", "Write a short poem about paged attention.")
             page.click("#generate")
-            # Streamed: tokens appear while the request still runs...
+            # Streamed: five tokens are on the page while the request still runs (if they came
+            # only at its end, this never holds)...
             page.wait_for_function(
-                "document.querySelectorAll('#output .tk').length >= 5", timeout=60_000
+                "document.querySelectorAll('#output .tk').length >= 5"
+                " && !document.querySelector('#stats').innerText.includes('finished')",
+                timeout=60_000,
+                polling=50,
             )
             # ...and the live view draws its block table.
             page.wait_for_function(
@@ -84,6 +88,24 @@ def test_page_streams_and_shows_block_tables(playground):
             page.screenshot(path=str(ARTIFACTS / "playground.png"), full_page=True)
             text = page.locator("#output").inner_text()
             assert len(text.strip()) > 10
+            # A constrained request from the form: the output is one of the choices.
+            choices = ["paged", "contiguous", "sliding"]
+            page.get_by_text("Constraint", exact=True).click()
+            page.locator("#constraint-kind input").click()
+            page.get_by_role("option", name="choice", exact=True).click()
+            page.fill("#constraint-text textarea", "\n".join(choices))
+            page.fill("#prompt textarea", "Which KV cache layout does vLLM use?")
+            page.click("#generate")
+            page.wait_for_function(
+                "document.querySelector('#stats').innerText.includes('finished: stop')",
+                timeout=120_000,
+            )
+            # The emitted tokens (struck-out rejected drafts aside), then the end-of-sequence
+            # token the page shows as text.
+            emitted = page.eval_on_selector_all(
+                "#output .tk", "spans => spans.map(s => s.textContent).join('')"
+            )
+            assert emitted.removesuffix("<|im_end|>") in choices
             # The load test: requests sharing a system prompt share its blocks, and the grid
             # shows those blocks with their reference counts.
             page.click("#load-test")

@@ -179,6 +179,38 @@ def test_prompt_logprobs(client):
     )
 
 
+def test_seeded_sampling_and_logprobs_equal_offline(client, offline):
+    """A seeded sampled completion over HTTP (the server speculates, n-gram) equals the offline
+    API's without speculation: text, each token's logprob and its top 2, and the prompt's
+    logprobs, by value."""
+    prompt = "The cat sat on the mat. The cat sat"
+    r = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=10,
+        temperature=0.8,
+        seed=11,
+        logprobs=2,
+        extra_body={"prompt_logprobs": 1},
+    )
+    params = SamplingParams(temperature=0.8, seed=11, max_tokens=10, logprobs=2, prompt_logprobs=1)
+    (ref,) = offline.generate(prompt, params, use_tqdm=False)
+    want = ref.outputs[0]
+    got = r.choices[0]
+    assert got.text == want.text and len(want.token_ids) == 10
+    values = [lp[t].logprob for lp, t in zip(want.logprobs, want.token_ids, strict=True)]
+    assert got.logprobs.token_logprobs == pytest.approx(values, rel=1e-4, abs=1e-5)
+    for top, position in zip(got.logprobs.top_logprobs, want.logprobs, strict=True):
+        expected = {lp.decoded_token: lp.logprob for lp in position.values() if lp.rank <= 2}
+        assert top == pytest.approx(expected, rel=1e-4, abs=1e-5)
+    positions = got.model_extra["prompt_logprobs"]
+    assert positions[0] is None and ref.prompt_logprobs[0] is None
+    for served, offline_position in zip(positions[1:], ref.prompt_logprobs[1:], strict=True):
+        assert {int(t): v["logprob"] for t, v in served.items()} == pytest.approx(
+            {t: lp.logprob for t, lp in offline_position.items()}, rel=1e-4, abs=1e-5
+        )
+
+
 def test_adapter_selected_by_model_name(client, offline, demo_adapters):
     prompt = "Once upon a time"
     params = SamplingParams(temperature=0, max_tokens=16)
