@@ -20,6 +20,7 @@ import torch
 from engine.attention import resolve_backend
 from engine.config import MAX_SPECULATIVE_TOKENS, EngineConfig
 from engine.detokenizer import ExactDecoder
+from engine.errors import ParamError
 from engine.grammar.constraint import StructuredOutputs
 from engine.introspection import snapshot
 from engine.kv_cache_manager import KVCacheManager
@@ -137,25 +138,26 @@ class LLMEngine:
         (a draft-model engine only; none by default)."""
         params = params or SamplingParams()
         if request_id in self.groups:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise ParamError("request_id", f"request_id {request_id!r} is already in use")
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, ids = None, list(prompt)
             bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
             if bad:
-                raise ValueError(f"prompt token id {bad[0]!r} is outside [0, {self.vocab_size})")
+                raise ParamError(
+                    "prompt", f"prompt token id {bad[0]!r} is outside [0, {self.vocab_size})"
+                )
         self.scheduler.check_fits(len(ids), params, self.max_model_len)
         params.check_vocab(self.vocab_size)
         compiled = self.compile_constraint(params.structured_outputs)
-        adapter = self.load_lora(lora_request) if lora_request is not None else None
+        adapter = _load(self.adapters, lora_request)
         if draft_lora_request is None and self.config.draft_model == "self":
             draft_lora_request = lora_request  # the quantized copy drafts with the same adapter
-        draft_adapter = None
-        if draft_lora_request is not None:
-            if self.draft_adapters is None:
-                raise ValueError("draft_lora_request needs an engine with a draft model")
-            draft_adapter = self.draft_adapters.load(draft_lora_request)
+        if draft_lora_request is not None and self.draft_adapters is None:
+            message = "draft_lora_request needs an engine with a draft model"
+            raise ParamError("draft_lora_request", message)
+        draft_adapter = _load(self.draft_adapters, draft_lora_request)
         # Prefix-cache keys carry the adapters and their versions: blocks hold the target's KV
         # and the draft model's, so neither is shared across adapters.
         salt = (cache_salt or "").encode() + (adapter.cache_key if adapter else b"")
@@ -397,3 +399,15 @@ class LLMEngine:
 
     def snapshot(self) -> dict:
         return snapshot(self)
+
+
+def _load(adapters: AdapterRegistry | None, lora_request: LoRARequest | None) -> LoRAAdapter | None:
+    """The adapter a request names (None: none), its errors naming the request's field."""
+    if lora_request is None:
+        return None
+    try:
+        return adapters.load(lora_request)
+    except ParamError:
+        raise
+    except ValueError as exc:
+        raise ParamError(adapters.param, str(exc)) from None

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 from enum import IntEnum
 
 from engine.config import MAX_SPECULATIVE_TOKENS
+from engine.errors import ParamError
 from engine.grammar.constraint import StructuredOutputs
 
 # Limits on one request (README: "Limits"): what a server accepts before any work is done.
@@ -59,7 +60,7 @@ class SamplingParams:
         for name in ("stop", "stop_token_ids"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, str | list | tuple):
-                raise ValueError(f"{name} must be a list (or None), got {v!r}")
+                raise ParamError(name, f"{name} must be a list (or None), got {v!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -68,88 +69,29 @@ class SamplingParams:
             self.top_k = 0
         self.structured_outputs = StructuredOutputs.coerce(self.structured_outputs)
         self.output_kind = _output_kind(self.output_kind)
-        self._validate()
-
-    def _validate(self) -> None:
-        def bad(name: str, value, why: str) -> ValueError:
-            return ValueError(f"{name} {why}, got {value!r}")
-
-        def is_int(v) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
-            raise bad("n", self.n, f"must be an integer in [1, {MAX_N}]")
-        if not isinstance(self.temperature, int | float) or not 0.0 <= self.temperature < 1e6:
-            raise bad("temperature", self.temperature, "must be a number in [0, 1e6)")
-        if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", self.top_p, "must be in (0, 1]")
-        if not is_int(self.top_k) or self.top_k < 0:
-            raise bad("top_k", self.top_k, "must be an integer >= 0 (0 or -1 disables)")
-        if not isinstance(self.min_p, int | float) or not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", self.min_p, "must be in [0, 1]")
-        if self.seed is not None and (
-            not is_int(self.seed) or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]
-        ):
-            raise bad("seed", self.seed, "must be an integer in [-2**63, 2**63) or None")
-        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
-            raise bad("max_tokens", self.max_tokens, "must be an integer >= 1 or None")
-        if not is_int(self.min_tokens) or self.min_tokens < 0:
-            raise bad("min_tokens", self.min_tokens, "must be an integer >= 0")
+        for name, ok, rule in _RULES:
+            value = getattr(self, name)
+            if not ok(value):
+                raise ParamError(name, f"{name} {rule}, got {value!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise bad("min_tokens", self.min_tokens, f"must be <= max_tokens={self.max_tokens}")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise bad("stop", self.stop, "must be non-empty strings")
+            raise ParamError(
+                "min_tokens",
+                f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}",
+            )
         if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in self.stop):
-            raise ValueError(
+            raise ParamError(
+                "stop",
                 f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
-                f"characters, got {len(self.stop)} (longest {max(map(len, self.stop))})"
+                f"characters, got {len(self.stop)} (longest {max(map(len, self.stop))})",
             )
-        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", self.stop_token_ids, "must be non-negative integers")
         if len(self.stop_token_ids) > MAX_TOKEN_ID_LIST:
-            raise ValueError(
+            raise ParamError(
+                "stop_token_ids",
                 f"stop_token_ids takes at most {MAX_TOKEN_ID_LIST} ids, "
-                f"got {len(self.stop_token_ids)}"
+                f"got {len(self.stop_token_ids)}",
             )
-        if not isinstance(self.repetition_penalty, int | float) or not (
-            0.0 < self.repetition_penalty <= 100.0
-        ):
-            raise bad("repetition_penalty", self.repetition_penalty, "must be in (0, 100]")
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if not isinstance(v, int | float) or not -2.0 <= v <= 2.0:
-                raise bad(name, v, "must be in [-2, 2]")
         if self.logit_bias is not None:
-            if not isinstance(self.logit_bias, dict):
-                raise bad("logit_bias", self.logit_bias, "must be a dict {token_id: bias}")
-            if len(self.logit_bias) > MAX_TOKEN_ID_LIST:
-                raise ValueError(
-                    f"logit_bias takes at most {MAX_TOKEN_ID_LIST} entries, "
-                    f"got {len(self.logit_bias)}"
-                )
-            fixed = {}
-            for k, v in self.logit_bias.items():
-                if isinstance(k, str) and k.isdigit():
-                    k = int(k)
-                if not is_int(k):
-                    raise bad("logit_bias", k, "keys must be integer token ids")
-                if k < 0:
-                    raise bad("logit_bias", k, "keys must be non-negative token ids")
-                if not isinstance(v, int | float) or not -100.0 <= v <= 100.0:
-                    raise bad("logit_bias", v, "values must be in [-100, 100]")
-                fixed[k] = float(v)
-            self.logit_bias = fixed
-        k = self.num_speculative_tokens
-        if k is not None and (not is_int(k) or not 0 <= k <= MAX_SPECULATIVE_TOKENS):
-            raise bad(
-                "num_speculative_tokens",
-                k,
-                f"must be an integer in [0, {MAX_SPECULATIVE_TOKENS}] or None",
-            )
-        for name in ("logprobs", "prompt_logprobs"):
-            v = getattr(self, name)
-            if v is not None and (not is_int(v) or not 0 <= v <= 20):
-                raise bad(name, v, "must be an integer in [0, 20] or None")
+            self.logit_bias = _logit_bias(self.logit_bias)
 
     def with_output_kind(self, kind: RequestOutputKind) -> SamplingParams:
         """A copy that differs only in output_kind (the caller's object stays as it is)."""
@@ -177,8 +119,9 @@ class SamplingParams:
         ):
             for tid in ids:
                 if tid >= vocab_size:
-                    raise ValueError(
-                        f"{name} contains token id {tid}, outside the vocabulary of {vocab_size}"
+                    raise ParamError(
+                        name,
+                        f"{name} contains token id {tid}, outside the vocabulary of {vocab_size}",
                     )
 
 
@@ -188,4 +131,83 @@ def _output_kind(value) -> RequestOutputKind:
     names = {k.name.lower(): k for k in RequestOutputKind}
     if isinstance(value, str) and value.lower() in names:
         return names[value.lower()]
-    raise ValueError(f"output_kind must be one of {', '.join(names)}, got {value!r}")
+    raise ParamError("output_kind", f"output_kind must be one of {', '.join(names)}, got {value!r}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number_in(low: float, high: float, low_open: bool = False, high_open: bool = False):
+    def ok(v) -> bool:
+        if not isinstance(v, int | float) or isinstance(v, bool):
+            return False
+        above = v > low if low_open else v >= low
+        below = v < high if high_open else v <= high
+        return above and below
+
+    return ok
+
+
+def _int_in(low: int, high: float, optional: bool = False):
+    return lambda v: (optional and v is None) or (_is_int(v) and low <= v <= high)
+
+
+# Each field's rule: (name, check, what the message says it must be). Checked in this order.
+_RULES = [
+    ("n", _int_in(1, MAX_N), f"must be an integer in [1, {MAX_N}]"),
+    ("temperature", _number_in(0.0, 1e6, high_open=True), "must be a number in [0, 1e6)"),
+    ("top_p", _number_in(0.0, 1.0, low_open=True), "must be in (0, 1]"),
+    ("top_k", _int_in(0, float("inf")), "must be an integer >= 0 (0 or -1 disables)"),
+    ("min_p", _number_in(0.0, 1.0), "must be in [0, 1]"),
+    (
+        "seed",
+        _int_in(SEED_RANGE[0], SEED_RANGE[1] - 1, optional=True),
+        "must be an integer in [-2**63, 2**63) or None",
+    ),
+    ("max_tokens", _int_in(1, float("inf"), optional=True), "must be an integer >= 1 or None"),
+    ("min_tokens", _int_in(0, float("inf")), "must be an integer >= 0"),
+    ("stop", lambda v: all(isinstance(s, str) and s for s in v), "must be non-empty strings"),
+    (
+        "stop_token_ids",
+        lambda v: all(_is_int(t) and t >= 0 for t in v),
+        "must be non-negative integers",
+    ),
+    ("repetition_penalty", _number_in(0.0, 100.0, low_open=True), "must be in (0, 100]"),
+    ("presence_penalty", _number_in(-2.0, 2.0), "must be in [-2, 2]"),
+    ("frequency_penalty", _number_in(-2.0, 2.0), "must be in [-2, 2]"),
+    (
+        "num_speculative_tokens",
+        _int_in(0, MAX_SPECULATIVE_TOKENS, optional=True),
+        f"must be an integer in [0, {MAX_SPECULATIVE_TOKENS}] or None",
+    ),
+    ("logprobs", _int_in(0, 20, optional=True), "must be an integer in [0, 20] or None"),
+    ("prompt_logprobs", _int_in(0, 20, optional=True), "must be an integer in [0, 20] or None"),
+]
+
+
+def _logit_bias(bias) -> dict[int, float]:
+    """{token id: bias in [-100, 100]}, keys given as ints or digit strings (JSON)."""
+
+    def bad(value, why: str) -> ParamError:
+        return ParamError("logit_bias", f"logit_bias {why}, got {value!r}")
+
+    if not isinstance(bias, dict):
+        raise bad(bias, "must be a dict {token_id: bias}")
+    if len(bias) > MAX_TOKEN_ID_LIST:
+        raise ParamError(
+            "logit_bias",
+            f"logit_bias takes at most {MAX_TOKEN_ID_LIST} entries, got {len(bias)}",
+        )
+    fixed = {}
+    for k, v in bias.items():
+        if isinstance(k, str) and k.isdigit():
+            k = int(k)
+        if not _is_int(k):
+            raise bad(k, "keys must be integer token ids")
+        if k < 0:
+            raise bad(k, "keys must be non-negative token ids")
+        if not _number_in(-100.0, 100.0)(v):
+            raise bad(v, "values must be in [-100, 100]")
+        fixed[k] = float(v)
+    return fixed

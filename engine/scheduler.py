@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.errors import ParamError
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -195,25 +196,28 @@ class Scheduler:
         (max_len) with room for one token, its n completions side by side, and every block it
         may need at once within the pool."""
         if num_prompt_tokens == 0:
-            raise ValueError("prompt must contain at least one token")
+            raise ParamError("prompt", "prompt must contain at least one token")
         if num_prompt_tokens >= max_len:
-            raise ValueError(
+            raise ParamError(
+                "prompt",
                 f"prompt has {num_prompt_tokens} tokens, the context limit is {max_len} "
-                "(and at least one token must be generated)"
+                "(and at least one token must be generated)",
             )
         if params.n > self.max_num_seqs:
-            raise ValueError(
+            raise ParamError(
+                "n",
                 f"n={params.n} is over max_num_seqs={self.max_num_seqs}: the "
-                "completions of one prompt run side by side"
+                "completions of one prompt run side by side",
             )
         total = min(num_prompt_tokens + (params.max_tokens or max_len), max_len)
         blocks = self.kv.blocks_needed
         need = blocks(num_prompt_tokens) + params.n * (blocks(total - num_prompt_tokens) + 1)
         if need > self.kv.pool.num_usable:
-            raise ValueError(
+            raise ParamError(
+                "max_tokens",
                 f"request needs up to {need} KV blocks ({total} tokens x n={params.n}) but the "
                 f"pool has {self.kv.pool.num_usable}; lower max_tokens or n, or give the KV "
-                "cache more memory"
+                "cache more memory",
             )
 
     def finish(self, request: Request, status: RequestStatus) -> None:

@@ -8,7 +8,6 @@ choice} (also vLLM's older guided_json / guided_regex / guided_grammar / guided_
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -47,11 +46,9 @@ class APIError(Exception):
 
 
 def from_value_error(exc: ValueError, default_param: str | None = None) -> APIError:
-    """Our ValueErrors start with the parameter's name ("top_p must be in (0, 1]...")."""
-    message = str(exc)
-    match = re.match(r"([a-z_]+)[ .:\[]", message)
-    param = match.group(1) if match and match.group(1) in _PARAM_NAMES else default_param
-    return APIError(message, param)
+    """A 400 naming the parameter: the engine's ParamError carries it; any other ValueError
+    is about default_param."""
+    return APIError(str(exc), getattr(exc, "param", None) or default_param)
 
 
 # Fields every generation endpoint takes, and the type each must have.
@@ -109,7 +106,6 @@ CHAT_FIELDS = {
     "tool_choice": (str, dict),
     "parallel_tool_calls": (bool,),
 }
-_PARAM_NAMES = set(COMPLETION_FIELDS) | set(CHAT_FIELDS) | {"prompt_logprobs", "structured"}
 
 
 def check_fields(body, fields: dict[str, tuple[type, ...]]) -> dict:

@@ -1,4 +1,5 @@
-"""Tiny random HF checkpoints (Llama / Qwen2 / Mistral) with a byte-level tokenizer, for tests.
+"""Tiny random HF checkpoints (Llama / Qwen2 / Mistral) with a byte-level tokenizer, and PEFT
+adapters for them, for tests.
 
 Weights are drawn with a large std so logits are peaked: argmax ties cannot flip between our
 kernels and HF's, which makes exact token-id parity a fair test.
@@ -82,3 +83,25 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
         pad_token_id=model.config.eos_token_id,
     )
     return out[0, len(prompt) :].tolist()
+
+
+def make_adapter(base: Path, out: Path, seed: int, rank: int, targets, extra: dict) -> Path:
+    """A PEFT LoRA adapter on `base` with random (seeded) A and B, saved to `out`."""
+    from peft import LoraConfig, get_peft_model
+
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=extra.pop("lora_alpha", 16),
+        target_modules=targets,
+        lora_dropout=0.0,
+        **extra,
+    )
+    peft_model = get_peft_model(model, config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    peft_model.save_pretrained(str(out))
+    return out

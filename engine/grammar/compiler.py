@@ -19,7 +19,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import xgrammar as xgr
 
-from engine.grammar.constraint import StructuredOutputs
+from engine.grammar.constraint import StructuredOutputs, invalid
 
 # JSON-schema keywords xgrammar 0.2.8 accepts but does not enforce (measured: a violating
 # instance is accepted); refusing them beats returning output that does not validate.
@@ -90,7 +90,9 @@ def check_schema(schema, where: str = "#") -> None:
     if isinstance(schema, bool):
         return
     if not isinstance(schema, dict):
-        raise ValueError(f"structured_outputs.json: the schema at {where} must be an object")
+        raise invalid(
+            f"structured_outputs.json: the schema at {where} must be an object",
+        )
 
     def refuse(why: str):
         return ValueError(f"structured_outputs.json: unsupported at {where}: {why}")
@@ -181,9 +183,9 @@ class GrammarCompiler:
         try:
             return future.result(timeout=self.timeout)
         except FutureTimeout:
-            raise ValueError(
+            raise invalid(
                 f"structured_outputs.{so.kind}: compiling took longer than {self.timeout:g} s "
-                "(grammar_compile_timeout)"
+                "(grammar_compile_timeout)",
             ) from None
 
     def _build(self, so: StructuredOutputs, key: str) -> xgr.CompiledGrammar:
@@ -217,13 +219,13 @@ class GrammarCompiler:
             else:
                 compiled = self._compiler.compile_grammar(choice_grammar(so.choice))
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError with a message
-            raise ValueError(f"structured_outputs.{kind}: {clean_error(e)}") from None
+            raise invalid(f"structured_outputs.{kind}: {clean_error(e)}") from None
         # An empty language (e.g. "[^\\x00-\\U0010FFFF]", "root ::= x  x ::= x") compiles, but
         # no first token and no end is allowed: refuse it now rather than mid-generation.
         bitmask = xgr.allocate_token_bitmask(1, self.tokenizer_info.vocab_size)
         xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
         if not bitmask.any():
-            raise ValueError(f"structured_outputs.{kind} admits no output at all")
+            raise invalid(f"structured_outputs.{kind} admits no output at all")
         return compiled
 
     @property

@@ -7,8 +7,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from engine.errors import ParamError
+
 KINDS = ("json", "json_object", "regex", "grammar", "choice")
 MAX_CONSTRAINT_CHARS = 65536  # a schema's JSON text, a regex, a grammar, or all choices together
+
+
+def invalid(message: str) -> ParamError:
+    """A constraint the request got wrong: the error names the structured_outputs field."""
+    return ParamError("structured_outputs", message)
 
 
 @dataclass(frozen=True)
@@ -39,9 +46,8 @@ class StructuredOutputs:
             object.__setattr__(self, "choice", tuple(self.choice))
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
-            raise ValueError(
-                f"structured_outputs needs exactly one of {', '.join(KINDS)}, got {given or 'none'}"
-            )
+            kinds = ", ".join(KINDS)
+            raise invalid(f"structured_outputs needs exactly one of {kinds}, got {given or 'none'}")
         kind = given[0]
         value = getattr(self, kind)
         if kind == "json":
@@ -49,20 +55,20 @@ class StructuredOutputs:
                 try:
                     value = json.loads(value)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+                    raise invalid(f"structured_outputs.json is not valid JSON: {e}") from None
             if not isinstance(value, dict):
-                raise ValueError(
-                    f"structured_outputs.json must be a JSON schema object, got {value!r:.80}"
+                raise invalid(
+                    f"structured_outputs.json must be a JSON schema object, got {value!r:.80}",
                 )
             object.__setattr__(self, "json", value)  # keep the parsed schema
         elif kind == "json_object" and value is not True:
-            raise ValueError(f"structured_outputs.json_object must be True, got {value!r}")
+            raise invalid(f"structured_outputs.json_object must be True, got {value!r}")
         elif kind in ("regex", "grammar") and (not isinstance(value, str) or not value):
-            raise ValueError(f"structured_outputs.{kind} must be a non-empty string")
+            raise invalid(f"structured_outputs.{kind} must be a non-empty string")
         elif kind == "choice" and (not value or not all(isinstance(c, str) and c for c in value)):
-            raise ValueError(
+            raise invalid(
                 f"structured_outputs.choice must be a non-empty list of non-empty strings, "
-                f"got {list(value)!r:.80}"
+                f"got {list(value)!r:.80}",
             )
         if kind == "json":
             size = len(json.dumps(value))
@@ -71,13 +77,13 @@ class StructuredOutputs:
         else:  # regex and grammar text; json_object has no text
             size = len(value) if isinstance(value, str) else 0
         if size > MAX_CONSTRAINT_CHARS:
-            raise ValueError(
+            raise invalid(
                 f"structured_outputs.{kind} is {size} characters, over the limit of "
-                f"{MAX_CONSTRAINT_CHARS}"
+                f"{MAX_CONSTRAINT_CHARS}",
             )
         if not isinstance(self.any_whitespace, bool):
-            raise ValueError(
-                f"structured_outputs.any_whitespace must be a bool, got {self.any_whitespace!r}"
+            raise invalid(
+                f"structured_outputs.any_whitespace must be a bool, got {self.any_whitespace!r}",
             )
 
     @classmethod
@@ -88,10 +94,10 @@ class StructuredOutputs:
         if isinstance(value, dict):
             unknown = set(value) - set(KINDS) - {"any_whitespace"}
             if unknown:
-                raise ValueError(f"structured_outputs has unknown fields {sorted(unknown)}")
+                raise invalid(f"structured_outputs has unknown fields {sorted(unknown)}")
             return cls(**value)
-        raise ValueError(
-            f"structured_outputs must be a StructuredOutputs or a dict, got {value!r:.80}"
+        raise invalid(
+            f"structured_outputs must be a StructuredOutputs or a dict, got {value!r:.80}",
         )
 
     @property

@@ -190,7 +190,7 @@ def encode(body, raw: str) -> bytes:
 
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
-    from test_lora import make_adapter  # a real PEFT adapter for the tiny model
+    from models import make_adapter  # a real PEFT adapter for the tiny model
 
     adapter = make_adapter(
         tiny_llama, tmp_path_factory.mktemp("fuzz") / "lora-a", 0, 4, ["q_proj"], {}

@@ -8,6 +8,7 @@ import pytest
 
 import engine.model_runner as model_runner
 from engine import LLM, SamplingParams
+from engine.errors import ParamError
 from models import VOCAB
 
 MAX_MODEL_LEN = 64
@@ -78,8 +79,10 @@ INVALID = [
     "name, kwargs", INVALID, ids=[f"{n}={next(iter(k.values()))!r}" for n, k in INVALID]
 )
 def test_invalid_value_names_the_parameter(name, kwargs):
-    with pytest.raises(ValueError, match=name):
+    """In its message and as ParamError.param (what the server answers as the error's param)."""
+    with pytest.raises(ParamError, match=name) as err:
         SamplingParams(**kwargs)
+    assert err.value.param == name
 
 
 # Bad types that are not iterables of the right kind: the contract (ValueError naming the
@@ -92,8 +95,9 @@ BAD_TYPES = [
 
 @pytest.mark.parametrize("name, kwargs", BAD_TYPES, ids=[n for n, _ in BAD_TYPES])
 def test_non_iterable_stop_names_the_parameter(name, kwargs):
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(ParamError, match=name) as err:
         SamplingParams(**kwargs)
+    assert err.value.param == name
 
 
 def test_fractional_logit_bias_key_rejected():
@@ -155,9 +159,9 @@ def assert_clean_and_serving(llm: LLM) -> None:
     ],
 )
 def test_out_of_vocab_ids_rejected(llm, name, params):
-    with pytest.raises(ValueError, match=name) as err:
+    with pytest.raises(ParamError, match=name) as err:
         llm.engine.add_request("bad-vocab", [1, 2, 3], params)
-    assert str(VOCAB) in str(err.value)
+    assert str(VOCAB) in str(err.value) and err.value.param == name
     assert_clean_and_serving(llm)
 
 
@@ -172,9 +176,10 @@ def test_last_vocab_id_accepted(llm):
 
 @pytest.mark.parametrize("length", [MAX_MODEL_LEN, MAX_MODEL_LEN + 1, 3 * MAX_MODEL_LEN])
 def test_prompt_over_context_limit_rejected(llm, length):
-    with pytest.raises(ValueError, match="prompt") as err:
+    with pytest.raises(ParamError, match="prompt") as err:
         llm.engine.add_request("too-long", [7] * length, GREEDY)
     assert str(length) in str(err.value) and str(MAX_MODEL_LEN) in str(err.value)
+    assert err.value.param == "prompt"
     assert_clean_and_serving(llm)
 
 
@@ -195,24 +200,28 @@ def test_empty_prompt_rejected(llm, prompt):
 
 @pytest.mark.parametrize("bad_id", [-1, VOCAB, 10**9])
 def test_prompt_token_out_of_range_rejected(llm, bad_id):
-    with pytest.raises(ValueError, match=str(bad_id)):
+    with pytest.raises(ParamError, match=str(bad_id)) as err:
         llm.engine.add_request("bad-token", [1, bad_id, 2], GREEDY)
+    assert err.value.param == "prompt"
     assert_clean_and_serving(llm)
 
 
 def test_request_larger_than_kv_pool_rejected(tiny_llama):
     llm = LLM(str(tiny_llama), num_kv_blocks=4, block_size=8, max_model_len=MAX_MODEL_LEN)
-    with pytest.raises(ValueError, match="KV blocks"):
+    with pytest.raises(ParamError, match="KV blocks") as err:
         llm.engine.add_request("big", [1] * 20, SamplingParams(max_tokens=30))
-    with pytest.raises(ValueError, match="n=3"):
+    assert err.value.param == "max_tokens"
+    with pytest.raises(ParamError, match="n=3") as err:
         llm.engine.add_request("wide", [1] * 4, SamplingParams(n=3, max_tokens=10))
+    assert err.value.param == "max_tokens"  # what to lower first (the message says: or n)
     assert_clean_and_serving(llm)
 
 
 def test_duplicate_request_id_rejected(llm):
     llm.engine.add_request("dup", [1, 2, 3], GREEDY)
-    with pytest.raises(ValueError, match="dup"):
+    with pytest.raises(ParamError, match="dup") as err:
         llm.engine.add_request("dup", [4, 5, 6], GREEDY)
+    assert err.value.param == "request_id"
     outs = []
     while llm.engine.has_unfinished_requests():
         outs.extend(o for o in llm.engine.step() if o.finished)

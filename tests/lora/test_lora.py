@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import PeftModel
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
@@ -23,7 +23,7 @@ from engine.models.loader import load_model
 from lora import LoRARequest
 from lora.adapter import load_adapter
 from lora.batch import LoRABatch, LoRASlots
-from models import hf_greedy
+from models import hf_greedy, make_adapter
 
 ADAPTERS = {  # name: (rank, target modules, extra LoraConfig fields)
     "qv4": (4, ["q_proj", "v_proj"], {}),
@@ -36,25 +36,6 @@ ADAPTERS = {  # name: (rank, target modules, extra LoraConfig fields)
     "ko8": (8, ["k_proj", "o_proj"], {"lora_alpha": 32}),
 }
 NEW_TOKENS = 12
-
-
-def make_adapter(base: Path, out: Path, seed: int, rank: int, targets, extra: dict) -> Path:
-    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-    config = LoraConfig(
-        r=rank,
-        lora_alpha=extra.pop("lora_alpha", 16),
-        target_modules=targets,
-        lora_dropout=0.0,
-        **extra,
-    )
-    peft_model = get_peft_model(model, config)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    peft_model.save_pretrained(str(out))
-    return out
 
 
 @pytest.fixture(scope="module")
