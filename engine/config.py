@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from engine.checks import Rule, check_rules, int_in, number_in, one_of
+
 DTYPES = {
     "auto": None,
     "float32": torch.float32,
@@ -90,31 +92,9 @@ class EngineConfig:
     max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
-        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
-        for name in positive:
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        for name in ("max_model_len", "kv_cache_memory_bytes", "num_kv_blocks", "num_threads"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 1):
-                raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
-        if self.speculative_method not in (None, "ngram", "draft"):
-            raise ValueError(
-                "speculative_method must be 'ngram', 'draft' or None, "
-                f"got {self.speculative_method!r}"
-            )
+        check_rules(self, _RULES, lambda _, message: ValueError(message))
         if self.speculative_method == "draft" and not self.draft_model:
             raise ValueError("speculative_method='draft' needs draft_model")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(
-                f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
-            )
-        if self.draft_quantization not in DRAFT_QUANTIZATIONS:
-            raise ValueError(
-                f"draft_quantization must be one of {DRAFT_QUANTIZATIONS}, "
-                f"got {self.draft_quantization!r}"
-            )
         if self.draft_model == "self" and self.quantization not in ("auto", None):
             raise ValueError(
                 "draft_model='self' drafts with quantized weights for the target in its exact "
@@ -122,57 +102,18 @@ class EngineConfig:
             )
         if self.draft_model and self.speculative_method == "ngram":
             raise ValueError("draft_model is set but speculative_method is 'ngram'")
-        k = self.num_speculative_tokens
-        if not isinstance(k, int) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(
-                f"num_speculative_tokens must be an integer in [0, {MAX_SPECULATIVE_TOKENS}], "
-                f"got {k!r}"
-            )
-        if not (isinstance(self.ngram_min, int) and isinstance(self.ngram_max, int)) or not (
-            1 <= self.ngram_min <= self.ngram_max
-        ):
+        if self.ngram_min > self.ngram_max:
             raise ValueError(
                 f"ngram_min/ngram_max must satisfy 1 <= ngram_min <= ngram_max, "
                 f"got {self.ngram_min!r}, {self.ngram_max!r}"
             )
-        for name in ("max_loras", "max_lora_rank"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if self.max_cpu_loras is not None and (
-            not isinstance(self.max_cpu_loras, int) or self.max_cpu_loras < self.max_loras
-        ):
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(
                 f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), "
                 f"got {self.max_cpu_loras!r}"
             )
-        if not isinstance(self.grammar_cache_size, int) or self.grammar_cache_size < 1:
-            raise ValueError(
-                f"grammar_cache_size must be a positive integer, got {self.grammar_cache_size!r}"
-            )
-        t = self.grammar_compile_timeout
-        if not isinstance(t, int | float) or not 0 < t <= 3600:
-            raise ValueError(f"grammar_compile_timeout must be in (0, 3600] seconds, got {t!r}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
-            raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
-        if not 0.0 < self.kv_cache_memory_fraction <= 0.9:
-            raise ValueError(
-                f"kv_cache_memory_fraction must be in (0, 0.9], got {self.kv_cache_memory_fraction}"
-            )
-
-        if not 0.0 < self.gpu_memory_utilization <= 0.98:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 0.98], got {self.gpu_memory_utilization}"
-            )
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        device = self.device
-        if device not in ("auto", "cpu") and not (
-            isinstance(device, str) and (device == "cuda" or device.startswith("cuda:"))
-        ):
-            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device={device!r} but torch sees no CUDA device")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r} but torch sees no CUDA device")
 
     @property
     def torch_device(self) -> torch.device:
@@ -199,3 +140,46 @@ class EngineConfig:
             free, _ = torch.cuda.mem_get_info(device)
             return int(free * self.gpu_memory_utilization)
         return int(psutil.virtual_memory().available * self.kv_cache_memory_fraction)
+
+
+def _is_device(v) -> bool:
+    return v in ("auto", "cpu", "cuda") or (isinstance(v, str) and v.startswith("cuda:"))
+
+
+_POSITIVE = "must be a positive integer"
+_RULES: list[Rule] = [
+    ("block_size", int_in(1), _POSITIVE),
+    ("max_num_seqs", int_in(1), _POSITIVE),
+    ("max_num_batched_tokens", int_in(1), _POSITIVE),
+    ("max_model_len", int_in(1, optional=True), _POSITIVE + " or None"),
+    ("kv_cache_memory_bytes", int_in(1, optional=True), _POSITIVE + " or None"),
+    ("num_kv_blocks", int_in(2, optional=True), "must be an integer >= 2 or None"),
+    ("num_threads", int_in(1, optional=True), _POSITIVE + " or None"),
+    (
+        "speculative_method",
+        one_of(None, "ngram", "draft"),
+        "must be 'ngram', 'draft' or None",
+    ),
+    ("quantization", one_of(*QUANTIZATIONS), f"must be one of {QUANTIZATIONS}"),
+    (
+        "draft_quantization",
+        one_of(*DRAFT_QUANTIZATIONS),
+        f"must be one of {DRAFT_QUANTIZATIONS}",
+    ),
+    (
+        "num_speculative_tokens",
+        int_in(0, MAX_SPECULATIVE_TOKENS),
+        f"must be an integer in [0, {MAX_SPECULATIVE_TOKENS}]",
+    ),
+    ("ngram_min", int_in(1), "must be an integer >= 1 (and <= ngram_max)"),
+    ("ngram_max", int_in(1), "must be an integer >= 1 (and >= ngram_min)"),
+    ("max_loras", int_in(1), _POSITIVE),
+    ("max_lora_rank", int_in(1), _POSITIVE),
+    ("max_cpu_loras", int_in(1, optional=True), "must be an integer >= max_loras or None"),
+    ("grammar_cache_size", int_in(1), _POSITIVE),
+    ("grammar_compile_timeout", number_in(0, 3600, low_open=True), "must be in (0, 3600] seconds"),
+    ("kv_cache_memory_fraction", number_in(0.0, 0.9, low_open=True), "must be in (0, 0.9]"),
+    ("gpu_memory_utilization", number_in(0.0, 0.98, low_open=True), "must be in (0, 0.98]"),
+    ("dtype", one_of(*DTYPES), f"must be one of {sorted(DTYPES)}"),
+    ("device", _is_device, "must be 'auto', 'cpu', 'cuda' or 'cuda:N'"),
+]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
 
+from engine.checks import Rule, check_rules, int_in, is_int, number_in
 from engine.config import MAX_SPECULATIVE_TOKENS
 from engine.errors import ParamError
 from engine.grammar.constraint import StructuredOutputs
@@ -69,10 +70,7 @@ class SamplingParams:
             self.top_k = 0
         self.structured_outputs = StructuredOutputs.coerce(self.structured_outputs)
         self.output_kind = _output_kind(self.output_kind)
-        for name, ok, rule in _RULES:
-            value = getattr(self, name)
-            if not ok(value):
-                raise ParamError(name, f"{name} {rule}, got {value!r}")
+        check_rules(self, _RULES, ParamError)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ParamError(
                 "min_tokens",
@@ -134,55 +132,36 @@ def _output_kind(value) -> RequestOutputKind:
     raise ParamError("output_kind", f"output_kind must be one of {', '.join(names)}, got {value!r}")
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _number_in(low: float, high: float, low_open: bool = False, high_open: bool = False):
-    def ok(v) -> bool:
-        if not isinstance(v, int | float) or isinstance(v, bool):
-            return False
-        above = v > low if low_open else v >= low
-        below = v < high if high_open else v <= high
-        return above and below
-
-    return ok
-
-
-def _int_in(low: int, high: float, optional: bool = False):
-    return lambda v: (optional and v is None) or (_is_int(v) and low <= v <= high)
-
-
 # Each field's rule: (name, check, what the message says it must be). Checked in this order.
-_RULES = [
-    ("n", _int_in(1, MAX_N), f"must be an integer in [1, {MAX_N}]"),
-    ("temperature", _number_in(0.0, 1e6, high_open=True), "must be a number in [0, 1e6)"),
-    ("top_p", _number_in(0.0, 1.0, low_open=True), "must be in (0, 1]"),
-    ("top_k", _int_in(0, float("inf")), "must be an integer >= 0 (0 or -1 disables)"),
-    ("min_p", _number_in(0.0, 1.0), "must be in [0, 1]"),
+_RULES: list[Rule] = [
+    ("n", int_in(1, MAX_N), f"must be an integer in [1, {MAX_N}]"),
+    ("temperature", number_in(0.0, 1e6, high_open=True), "must be a number in [0, 1e6)"),
+    ("top_p", number_in(0.0, 1.0, low_open=True), "must be in (0, 1]"),
+    ("top_k", int_in(0), "must be an integer >= 0 (0 or -1 disables)"),
+    ("min_p", number_in(0.0, 1.0), "must be in [0, 1]"),
     (
         "seed",
-        _int_in(SEED_RANGE[0], SEED_RANGE[1] - 1, optional=True),
+        int_in(SEED_RANGE[0], SEED_RANGE[1] - 1, optional=True),
         "must be an integer in [-2**63, 2**63) or None",
     ),
-    ("max_tokens", _int_in(1, float("inf"), optional=True), "must be an integer >= 1 or None"),
-    ("min_tokens", _int_in(0, float("inf")), "must be an integer >= 0"),
+    ("max_tokens", int_in(1, optional=True), "must be an integer >= 1 or None"),
+    ("min_tokens", int_in(0), "must be an integer >= 0"),
     ("stop", lambda v: all(isinstance(s, str) and s for s in v), "must be non-empty strings"),
     (
         "stop_token_ids",
-        lambda v: all(_is_int(t) and t >= 0 for t in v),
+        lambda v: all(is_int(t) and t >= 0 for t in v),
         "must be non-negative integers",
     ),
-    ("repetition_penalty", _number_in(0.0, 100.0, low_open=True), "must be in (0, 100]"),
-    ("presence_penalty", _number_in(-2.0, 2.0), "must be in [-2, 2]"),
-    ("frequency_penalty", _number_in(-2.0, 2.0), "must be in [-2, 2]"),
+    ("repetition_penalty", number_in(0.0, 100.0, low_open=True), "must be in (0, 100]"),
+    ("presence_penalty", number_in(-2.0, 2.0), "must be in [-2, 2]"),
+    ("frequency_penalty", number_in(-2.0, 2.0), "must be in [-2, 2]"),
     (
         "num_speculative_tokens",
-        _int_in(0, MAX_SPECULATIVE_TOKENS, optional=True),
+        int_in(0, MAX_SPECULATIVE_TOKENS, optional=True),
         f"must be an integer in [0, {MAX_SPECULATIVE_TOKENS}] or None",
     ),
-    ("logprobs", _int_in(0, 20, optional=True), "must be an integer in [0, 20] or None"),
-    ("prompt_logprobs", _int_in(0, 20, optional=True), "must be an integer in [0, 20] or None"),
+    ("logprobs", int_in(0, 20, optional=True), "must be an integer in [0, 20] or None"),
+    ("prompt_logprobs", int_in(0, 20, optional=True), "must be an integer in [0, 20] or None"),
 ]
 
 
@@ -203,11 +182,11 @@ def _logit_bias(bias) -> dict[int, float]:
     for k, v in bias.items():
         if isinstance(k, str) and k.isdigit():
             k = int(k)
-        if not _is_int(k):
+        if not is_int(k):
             raise bad(k, "keys must be integer token ids")
         if k < 0:
             raise bad(k, "keys must be non-negative token ids")
-        if not _number_in(-100.0, 100.0)(v):
+        if not number_in(-100.0, 100.0)(v):
             raise bad(v, "values must be in [-100, 100]")
         fixed[k] = float(v)
     return fixed

@@ -39,6 +39,19 @@ class ServerState:
     metrics: ServerMetrics | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
+    def model_card(self, name: str) -> dict:
+        """/v1/models' entry for the base model or an adapter (whose parent is the base)."""
+        adapter = self.adapters.get(name) if name != self.model_name else None
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "tandem",
+            "root": name if adapter is None else str(adapter.path),
+            "parent": None if adapter is None else self.model_name,
+            "max_model_len": self.max_model_len,
+        }
+
     @property
     def tokenizer(self):
         return self.engine.engine.tokenizer
@@ -90,19 +103,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        def card(name: str, parent: str | None) -> dict:
-            return {
-                "id": name,
-                "object": "model",
-                "created": state.created,
-                "owned_by": "tandem",
-                "root": name if parent is None else str(state.adapters[name].path),
-                "parent": parent,
-                "max_model_len": state.max_model_len,
-            }
-
-        cards = [card(state.model_name, None)]
-        cards += [card(name, state.model_name) for name in state.adapters]
+        cards = [state.model_card(state.model_name)]
+        cards += [state.model_card(name) for name in state.adapters]
         return {"object": "list", "data": cards}
 
     @app.post("/v1/completions")

@@ -8,6 +8,8 @@ import asyncio
 import json
 import time
 import uuid
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import gradio as gr
 from fastapi import FastAPI
@@ -38,6 +40,31 @@ _PERSON_SCHEMA = {
     "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
     "required": ["name", "age"],
 }
+
+
+@dataclass
+class Form:
+    """The generate form's fields, in the order its handler (and the `generate` API endpoint)
+    takes them: the components when the page is built, their values when a request comes."""
+
+    mode: Any
+    prompt: Any
+    temperature: Any
+    top_p: Any
+    top_k: Any
+    max_tokens: Any
+    seed: Any
+    method: Any
+    k: Any
+    adaptive: Any
+    adapter: Any
+    constraint_kind: Any
+    constraint_text: Any
+
+
+def astuple_shallow(form: Form) -> list:
+    """The fields' values in order (dataclasses.astuple would deep-copy the components)."""
+    return [getattr(form, f.name) for f in fields(form)]
 
 
 def constraint_from(kind: str, text: str) -> dict | None:
@@ -74,40 +101,29 @@ class Playground:
         self.method = state.engine.engine.config.spec_method
 
     # ---- handlers -----------------------------------------------------------------------------
-    async def generate(
-        self,
-        mode,
-        prompt,
-        temperature,
-        top_p,
-        top_k,
-        max_tokens,
-        seed,
-        method,
-        k,
-        adaptive,
-        adapter,
-        constraint_kind,
-        constraint_text,
-    ):
-        """Stream one request: yields (token-shaded HTML, stats line)."""
-        state = self.state
+    async def generate(self, *values):
+        """Stream one request (values: the form's, in Form's order): yields (token-shaded
+        HTML, stats line)."""
+        state, form = self.state, Form(*values)
         try:
+            seed = form.seed
             params = SamplingParams(
-                temperature=float(temperature),
-                top_p=float(top_p),
-                top_k=int(top_k),
-                max_tokens=int(max_tokens),
+                temperature=float(form.temperature),
+                top_p=float(form.top_p),
+                top_k=int(form.top_k),
+                max_tokens=int(form.max_tokens),
                 seed=None if seed is None or int(seed) < 0 else int(seed),
-                num_speculative_tokens=spec_k(method, k, adaptive),
-                structured_outputs=constraint_from(constraint_kind, constraint_text),
+                num_speculative_tokens=spec_k(form.method, form.k, form.adaptive),
+                structured_outputs=constraint_from(form.constraint_kind, form.constraint_text),
             )
+            prompt = form.prompt
             if not (prompt or "").strip():
                 raise ValueError("prompt is empty")
-            if mode == "chat":
+            if form.mode == "chat":
                 ids = chat_prompt_ids(state.tokenizer, [{"role": "user", "content": prompt}])
             else:
                 ids = state.tokenizer.encode(prompt)
+            adapter = form.adapter
             lora = state.adapters.get(adapter) if adapter and adapter != BASE else None
             stream = await state.engine.add_request(
                 f"ui-{uuid.uuid4().hex[:8]}", ids, params, lora_request=lora
@@ -208,12 +224,36 @@ class Playground:
                 started.set()
 
     # ---- layout -------------------------------------------------------------------------------
-    def build(self) -> gr.Blocks:
-        state = self.state
+    def _controls(self) -> Form:
+        """The form's controls (right column), each made once; mode and prompt come first,
+        from the left column, and are filled in by the caller."""
         methods = ["off"] + ([self.method] if self.method else [])
+        with gr.Accordion("Sampling", open=True):
+            temperature = gr.Slider(0, 2, value=0.0, step=0.05, label="temperature")
+            top_p = gr.Slider(0.05, 1, value=1.0, step=0.05, label="top_p")
+            top_k = gr.Slider(0, 200, value=0, step=1, label="top_k (0: off)")
+            max_tokens = gr.Slider(1, 1024, value=128, step=1, label="max_tokens")
+            seed = gr.Number(value=-1, precision=0, label="seed (-1: none)")
+        with gr.Accordion("Speculation", open=True):
+            method = gr.Dropdown(methods, value=methods[-1], label="method")
+            k = gr.Slider(0, 15, value=4, step=1, label="k: drafts per step")
+            adaptive = gr.Checkbox(value=True, label="adaptive k (k is the cap)")
+        adapter = gr.Dropdown([BASE, *self.state.adapters], value=BASE, label="LoRA adapter")
+        with gr.Accordion("Constraint", open=False):
+            kind = gr.Dropdown(CONSTRAINTS, value="none", label="kind", elem_id="constraint-kind")
+            text = gr.Textbox(
+                lines=4,
+                label="JSON schema / regex / EBNF grammar / choices (one per line)",
+                elem_id="constraint-text",
+            )
+        controls = dict(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens)
+        controls |= dict(seed=seed, method=method, k=k, adaptive=adaptive, adapter=adapter)
+        return Form(mode=None, prompt=None, constraint_kind=kind, constraint_text=text, **controls)
+
+    def build(self) -> gr.Blocks:
         with gr.Blocks(title="Tandem playground") as demo:
             gr.Markdown(
-                f"## Tandem playground · `{state.model_name}` · speculation: "
+                f"## Tandem playground · `{self.state.model_name}` · speculation: "
                 f"`{self.method or 'off'}` · OpenAI API at `/v1`"
             )
             with gr.Row():
@@ -232,26 +272,7 @@ class Playground:
                     output = gr.HTML(elem_id="output")
                     stats = gr.Markdown(elem_id="stats")
                 with gr.Column(scale=2):
-                    with gr.Accordion("Sampling", open=True):
-                        temperature = gr.Slider(0, 2, value=0.0, step=0.05, label="temperature")
-                        top_p = gr.Slider(0.05, 1, value=1.0, step=0.05, label="top_p")
-                        top_k = gr.Slider(0, 200, value=0, step=1, label="top_k (0: off)")
-                        max_tokens = gr.Slider(1, 1024, value=128, step=1, label="max_tokens")
-                        seed = gr.Number(value=-1, precision=0, label="seed (-1: none)")
-                    with gr.Accordion("Speculation", open=True):
-                        method = gr.Dropdown(methods, value=methods[-1], label="method")
-                        k = gr.Slider(0, 15, value=4, step=1, label="k: drafts per step")
-                        adaptive = gr.Checkbox(value=True, label="adaptive k (k is the cap)")
-                    adapter = gr.Dropdown([BASE, *state.adapters], value=BASE, label="LoRA adapter")
-                    with gr.Accordion("Constraint", open=False):
-                        constraint_kind = gr.Dropdown(
-                            CONSTRAINTS, value="none", label="kind", elem_id="constraint-kind"
-                        )
-                        constraint_text = gr.Textbox(
-                            lines=4,
-                            label="JSON schema / regex / EBNF grammar / choices (one per line)",
-                            elem_id="constraint-text",
-                        )
+                    form = replace(self._controls(), mode=mode, prompt=prompt)
                     with gr.Accordion("Load test", open=True):
                         num_requests = gr.Slider(2, 32, value=12, step=1, label="requests")
                         load = gr.Button("Run load test", elem_id="load-test")
@@ -265,21 +286,7 @@ class Playground:
                     spec_view = gr.HTML(elem_id="spec-view")
                 with gr.Tab("Adapters"):
                     adapters_view = gr.HTML(elem_id="adapters-view")
-            inputs = [
-                mode,
-                prompt,
-                temperature,
-                top_p,
-                top_k,
-                max_tokens,
-                seed,
-                method,
-                k,
-                adaptive,
-                adapter,
-                constraint_kind,
-                constraint_text,
-            ]
+            inputs = astuple_shallow(form)
             run = go.click(
                 self.generate,
                 inputs,
