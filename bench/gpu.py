@@ -274,12 +274,12 @@ def bench_lora(model_dir: Path) -> dict:
 
 
 def bench_verify(vocab: int) -> dict:
-    """Sampling a verify step: the [R, V] logits to the host and engine.rejection.verify there
-    (the engine before sampling moved to the device) vs. the engine's path now,
+    """Sampling a verify step: the [R, V] logits to the host and verification there (the torch
+    reference, as the engine did before sampling moved to the device) vs. the engine's path now,
     engine.rejection.verify_batched on the device with the fused kernel (softmax, the draws and
     both kernels there; tokens back in one copy)."""
     from engine.device import to_host
-    from engine.rejection import VerifyRow, verify, verify_batched
+    from engine.rejection import VerifyRow, verify_batched
     from kernels.triton_rejection import rejection_verify
 
     num_reqs, num_drafts = SIZES["verify"]
@@ -292,7 +292,8 @@ def bench_verify(vocab: int) -> dict:
     device_generator = torch.Generator(DEV).manual_seed(0)
 
     def on_host():
-        verify(logits.float().cpu(), rows, host_generator)
+        pending = verify_batched(logits.float().cpu(), rows, host_generator)
+        pending.results(pending.tokens.tolist(), pending.num_accepted.tolist())
 
     def on_device():
         pending = verify_batched(logits.float(), rows, device_generator, rejection_verify)

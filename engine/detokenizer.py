@@ -3,7 +3,7 @@
 Decodes a short window of tokens each time (prefix/read offsets, as in HF's TextStreamer and
 vLLM): the text is emitted only once it no longer ends in U+FFFD, so a multi-byte character
 split across tokens is never streamed half-done. Stop strings are matched on the output text;
-`streamable_text` holds back enough characters that a stop string can still be cut cleanly. The
+`visible_len` holds back enough characters that a stop string can still be cut cleanly. The
 text is the tokens' exact decoding: no space clean-up, so streamed and whole outputs agree.
 """
 

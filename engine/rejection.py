@@ -19,19 +19,19 @@ speculation). Walking the drafts in order:
   exponential vector per emitted token, a seeded request emits the very tokens it would emit
   without speculation, whatever k and whatever its neighbours.
 
-With d = 0 this is plain sampling, so every request goes through the same function; those rows
-share the sampler's batched `exponential_race`.
+With d = 0 this is plain sampling, so every request goes through the same function.
 
 Random draws (the exponential race: argmax w / E with E ~ Exp(1) is a draw from w / sum w): a
 sampled q costs d uniforms then one exponential vector; one-hot drafts one exponential vector
 per emitted token (d + 1 up front on the shared generator). A seeded request draws from its own
 generator, so its tokens do not depend on its neighbours in the batch.
 
-`verify` walks the drafts as written above, one request at a time: it is the oracle.
-`verify_batched` is what the engine runs, on the logits' device: the same draws taken up front
+`verify_batched` is what the engine runs, on the logits' device: the draws taken up front
 (`draw`), every request verified in one batched call (kernels.reference.rejection_verify, or
 the fused Triton kernel on CUDA), and nothing read back until the caller's one copy to the host
-(`PendingVerify.results`). It emits the tokens `verify` emits from the same generators.
+(`PendingVerify.results`). The tests hold it equal, token for token and generator state for
+generator state, to an oracle that walks the drafts as written above, one request at a time,
+drawing as it goes (tests/oracles.py).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.device import host_tensor, to_device
-from engine.sampler import exponential_noise, exponential_race, race_noise
+from engine.sampler import exponential_noise, race_noise
 from kernels import reference
 
 
@@ -71,38 +71,6 @@ class VerifyResult:
     num_accepted: int
 
 
-def _race(weights: torch.Tensor, noise: torch.Tensor) -> int:
-    """A draw from weights / weights.sum() given E ~ Exp(1) noise of the same shape."""
-    return int((weights / noise).argmax())
-
-
-def verify(
-    processed: torch.Tensor,  # [R, V] processed logits (-inf = excluded) for every row
-    rows: list[VerifyRow],
-    generator: torch.Generator | None,  # the engine's, for unseeded requests
-) -> list[VerifyResult]:
-    vocab = processed.shape[1]
-    argmax = processed.argmax(dim=-1).tolist()  # [R]
-    probs, drawn = None, {}
-    if not all(r.greedy for r in rows):
-        probs = processed.softmax(dim=-1)  # [R, V]; greedy rows unused
-        # Sampled rows without drafts: plain sampling, one batched race (the sampler's own).
-        plain = [i for i, r in enumerate(rows) if not r.greedy and not r.drafts]
-        if plain:
-            idx = torch.tensor([rows[i].start for i in plain])
-            tokens = exponential_race(probs[idx], [rows[i].generator for i in plain], generator)
-            drawn = dict(zip(plain, tokens.tolist(), strict=True))
-    results: list[VerifyResult] = []
-    for i, row in enumerate(rows):
-        if row.greedy:
-            results.append(verify_greedy(row, argmax))
-        elif i in drawn:
-            results.append(VerifyResult([drawn[i]], 0))
-        else:
-            results.append(_verify_sampled(row, probs, vocab, generator))
-    return results
-
-
 def verify_greedy(row: VerifyRow, argmax: list[int]) -> VerifyResult:
     tokens = []
     for j, draft in enumerate(row.drafts):
@@ -112,49 +80,6 @@ def verify_greedy(row: VerifyRow, argmax: list[int]) -> VerifyResult:
             return VerifyResult(tokens, j)
     tokens.append(argmax[row.start + len(row.drafts)])
     return VerifyResult(tokens, len(row.drafts))
-
-
-def _verify_sampled(
-    row: VerifyRow, probs: torch.Tensor, vocab: int, generator: torch.Generator | None
-) -> VerifyResult:
-    gen = row.generator if row.generator is not None else generator
-    if row.draft_probs is None:
-        return _verify_one_hot(row, probs, vocab, gen)
-    d = len(row.drafts)
-    uniforms = torch.rand(d, generator=gen).tolist() if d else []
-    tokens = []
-    for j, draft in enumerate(row.drafts):
-        p = probs[row.start + j]
-        if uniforms[j] * float(row.draft_probs[j, draft]) < float(p[draft]):  # u < p / q
-            tokens.append(draft)
-            continue
-        residual = (p - row.draft_probs[j]).clamp_(min=0.0)
-        if not float(residual.sum()) > 0.0:  # p == q up to rounding: fall back to p itself
-            residual = p
-        noise = exponential_noise(vocab, generator=gen)
-        tokens.append(_race(residual, noise))
-        return VerifyResult(tokens, j)
-    noise = exponential_noise(vocab, generator=gen)
-    tokens.append(_race(probs[row.start + d], noise))
-    return VerifyResult(tokens, d)
-
-
-def _verify_one_hot(
-    row: VerifyRow, probs: torch.Tensor, vocab: int, gen: torch.Generator | None
-) -> VerifyResult:
-    """Deterministic drafts: sample each position as plain decoding would, keep going while the
-    sample equals the draft. A seeded request draws one vector per emitted token (its tokens do
-    not depend on k); a row on the shared generator draws all d + 1 at once, as the batched
-    verifier does (it cannot wait to see where the walk stops)."""
-    d = len(row.drafts)
-    ahead = exponential_noise(d + 1, vocab, generator=gen) if row.generator is None else None
-    tokens = []
-    for j in range(d + 1):
-        noise = exponential_noise(vocab, generator=gen) if ahead is None else ahead[j]
-        tokens.append(_race(probs[row.start + j], noise))
-        if j == len(row.drafts) or tokens[-1] != row.drafts[j]:
-            break
-    return VerifyResult(tokens, len(tokens) - 1)
 
 
 @dataclass(slots=True)

@@ -2,8 +2,8 @@
 
 `process_logits` turns raw logits into the distribution each request samples from (logit bias,
 min_tokens, penalties, temperature, top-k, top-p, min-p, in that order, HF's warper order);
-`sample` draws from it. The speculative verifier reuses `process_logits` unchanged, so what it
-verifies against is exactly what the sampler would have sampled from.
+verification (engine/rejection.py) draws from it, plain decodes included (no drafts), so what
+speculation verifies against is exactly what plain sampling would sample from.
 
 Random draws use the exponential race (argmax of p / E with E ~ Exp(1)), which samples
 categorically and lets a seeded request draw from its own generator wherever it sits in the
@@ -54,7 +54,6 @@ class RequestAt(TokenHistory):
 class SamplingBatch:
     requests: list[Request | RequestAt]
     temperature: torch.Tensor  # [M]; 1.0 on greedy rows
-    is_greedy: torch.Tensor  # [M] bool
     all_greedy: bool
     top_k: torch.Tensor | None  # [M] int64, vocab size where disabled
     max_top_k: int  # the largest of top_k (0 without top_k): the width of one topk
@@ -85,7 +84,6 @@ class SamplingBatch:
         batch = cls(
             requests=requests,
             temperature=host_tensor(temps, torch.float32),
-            is_greedy=torch.tensor(greedy),
             all_greedy=all(greedy),
             top_k=top_k,
             max_top_k=max_top_k,
@@ -259,17 +257,6 @@ def top_p_drop(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return drop
 
 
-def sample(
-    processed: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None
-) -> torch.Tensor:  # [M] int64
-    greedy_tokens = processed.argmax(dim=-1)
-    if batch.all_greedy:
-        return greedy_tokens
-    generators = [r.generator for r in batch.requests]
-    random_tokens = exponential_race(processed.softmax(dim=-1), generators, generator)
-    return torch.where(batch.is_greedy, greedy_tokens, random_tokens)
-
-
 def exponential_noise(
     *shape: int, generator: torch.Generator | None, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
@@ -298,16 +285,6 @@ def race_noise(
         if g is not None:
             noise[i] = exponential_noise(vocab, generator=g, device=device)
     return noise
-
-
-def exponential_race(
-    probs: torch.Tensor,  # [M, V]
-    generators: list[torch.Generator | None],  # [M] a row's own (seeded) generator, or None
-    generator: torch.Generator | None,  # shared by the rows without their own
-) -> torch.Tensor:  # [M] int64
-    """One categorical draw per row: argmax p / E with E ~ Exp(1) (noise: race_noise)."""
-    noise = race_noise(generators, probs.shape[1], generator, probs.device)
-    return (probs / noise).argmax(dim=-1)
 
 
 # token id -> (logprob, rank) at one position: the chosen token's, then the top n

@@ -46,8 +46,8 @@ _UNSUPPORTED = {
 
 @dataclass(frozen=True)
 class LoRARequest:
-    """A request's adapter: `name` identifies it in the engine (and, later, as an API model
-    name); `path` is the PEFT directory it loads from the first time the name is used."""
+    """A request's adapter: `name` identifies it in the engine (and is its model name in the
+    HTTP API); `path` is the PEFT directory it loads from the first time the name is used."""
 
     name: str
     path: str

@@ -1,5 +1,5 @@
-"""Many adapters in one forward pass: adapter slots and the batched LoRA update (torch; the Triton
-shrink/expand kernels come with the kernels issue).
+"""Many adapters in one forward pass: adapter slots and the batched LoRA update (torch, or the
+Triton shrink/expand kernels with the Triton backend).
 
 `LoRASlots` keeps up to `max_loras` adapters resident as stacked weights, per layer and
 projection: A [S + 1, in, R] and B [S + 1, R, out] (R = max_lora_rank, ranks below R padded with

@@ -1,4 +1,4 @@
-"""Speculative rejection sampling (`engine.rejection.verify`) on synthetic logits.
+"""Speculative rejection sampling (the oracle `oracles.verify`) on synthetic logits.
 
 The core property is losslessness: whatever the proposal q, every emitted token is distributed as
 the target p. Each check draws 8e4 independent requests in one `verify` call (their drafts
@@ -14,11 +14,11 @@ from collections import defaultdict
 from collections.abc import Callable
 
 import numpy as np
+import oracles
 import pytest
 import torch
 from scipy.stats import chisquare
 
-from engine import rejection
 from engine.rejection import VerifyResult, VerifyRow
 from engine.request import Request
 from engine.sampler import RequestAt, SamplingBatch, exponential_noise, process_logits
@@ -173,7 +173,7 @@ def run_case(case: Case, d: int, num: int, seed: int) -> tuple[list[VerifyRow], 
         qs = [q_at[key[:j]] for j in range(d)]
         q_stacks[key] = torch.stack(qs) if qs and qs[0] is not None else None
     rows = [VerifyRow(starts[k], list(k), q_stacks[k], False, None) for k in keys]
-    return rows, rejection.verify(torch.stack(blocks), rows, gen)
+    return rows, oracles.verify(torch.stack(blocks), rows, gen)
 
 
 def fit_pvalue(counts: np.ndarray, probs: np.ndarray, ddof: int = 0) -> float:
@@ -281,7 +281,7 @@ def test_second_token_follows_target(name, d):
 
 # ---- broken verifiers fail the same checks -------------------------------------------------
 def _draw(weights: torch.Tensor, generator) -> int:
-    return rejection._race(weights, exponential_noise(weights.shape[0], generator=generator))
+    return oracles.race(weights, exponential_noise(weights.shape[0], generator=generator))
 
 
 def _always_accept(row, probs, vocab, generator) -> VerifyResult:
@@ -300,7 +300,7 @@ def _resample_from_p(row, probs, vocab, generator) -> VerifyResult:
     return VerifyResult([*row.drafts, _draw(probs[row.start + d], generator)], d)
 
 
-_real_verify_sampled = rejection._verify_sampled
+_real_verify_sampled = oracles._verify_sampled
 
 
 def _first_row_only(row, probs, vocab, generator) -> VerifyResult:
@@ -321,7 +321,7 @@ def _first_row_only(row, probs, vocab, generator) -> VerifyResult:
     ],
 )
 def test_chi_square_rejects_broken_verifier(monkeypatch, broken, name, d, k):
-    monkeypatch.setattr(rejection, "_verify_sampled", broken)
+    monkeypatch.setattr(oracles, "_verify_sampled", broken)
     case = CASES[name]
     _, results = run_case(case, d=d, num=NUM_DRAWS // 4, seed=0)  # a quarter already suffices
     assert emitted_pvalue(case, results, k=k) < 1e-6
@@ -347,7 +347,7 @@ def test_greedy_rows_follow_the_argmax_chain():
         expected.append(VerifyResult(chain[: miss + 1], miss))
         # A sampled request between greedy ones must not disturb them.
         rows.append(VerifyRow(start, chain[:d], q, False, None))
-    results = rejection.verify(processed, rows, gen)
+    results = oracles.verify(processed, rows, gen)
     check_accounting(rows, results)
     assert results[::2] == expected
     assert {(len(r.drafts), e.num_accepted) for r, e in zip(rows[::2], expected, strict=True)} == {
@@ -362,7 +362,7 @@ def test_greedy_zero_drafts_and_excluded_tokens():
         VerifyRow(0, [2, 0], None, True, None),
         VerifyRow(0, [0, 0], None, True, None),
     ]
-    results = rejection.verify(processed, rows, None)
+    results = oracles.verify(processed, rows, None)
     assert results == [VerifyResult([0], 0), VerifyResult([0], 0), VerifyResult([0, 0, 0], 2)]
 
 
@@ -395,7 +395,7 @@ def seeded_verdicts(position: int, neighbours: list[str], seed=1234, determinist
             q = torch.rand(d, V, generator=data).softmax(-1) if d and kind != "one_hot" else None
             gen = theirs[i - (i > position)] if kind == "seeded" else None
             rows.append(VerifyRow(start, drafts, q, kind == "greedy", gen))
-        results = rejection.verify(torch.cat(blocks), rows, engine)
+        results = oracles.verify(torch.cat(blocks), rows, engine)
         verdicts.append((results[position].tokens, results[position].num_accepted))
     return verdicts
 
@@ -435,7 +435,7 @@ def test_excluded_drafts_always_rejected_never_emitted(deterministic):
         drafts = torch.multinomial(q, d, replacement=True, generator=gen).tolist()
         draft_probs = None if deterministic else (q_blind if i % 4 == 1 else q).repeat(d, 1)
         rows.append(VerifyRow(i * (d + 1), drafts, draft_probs, i % 5 == 0, None))
-    results = rejection.verify(processed, rows, gen)
+    results = oracles.verify(processed, rows, gen)
     check_accounting(rows, results)
     first_excluded = [next((j for j, t in enumerate(r.drafts) if t in excluded), d) for r in rows]
     for res, stop in zip(results, first_excluded, strict=True):

@@ -6,13 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from oracles import sample
 from scipy.stats import chisquare
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from engine import LLM, SamplingParams
 from engine import sampler as sampler_mod
 from engine.request import Request
-from engine.sampler import SamplingBatch, TopLogprobs, process_logits, sample
+from engine.sampler import SamplingBatch, TopLogprobs, process_logits
 
 V = 10  # synthetic vocabulary
 EOS = 9

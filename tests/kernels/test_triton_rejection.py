@@ -1,8 +1,8 @@
 """Fused rejection-sampling verification (kernels/triton_rejection.py) against its reference and
-against engine.rejection.verify: under TRITON_INTERPRET=1 on CPU in the default run, on CUDA at a
+against oracles.verify: under TRITON_INTERPRET=1 on CPU in the default run, on CUDA at a
 real vocabulary when a GPU is present (`gpu` marker).
 
-engine.rejection.verify draws its random numbers as it walks; `spec_draws` replays the same
+oracles.verify draws its random numbers as it walks; `spec_draws` replays the same
 generators from copies to hand the batched verifiers exactly the numbers spec used, so the three
 must agree token for token. engine.rejection.verify_batched, the engine's verifier (draws up front,
 one batched call), must equal it too, generators' states included."""
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import oracles
 import pytest
 import torch
 
@@ -55,7 +56,7 @@ def copy_of(generator: torch.Generator | None) -> torch.Generator | None:
 
 
 def spec_draws(rows: list[VerifyRow], results, generator: torch.Generator, vocab: int):
-    """The uniforms [R] and exponential noise [R, V] that engine.rejection.verify drew, replayed in
+    """The uniforms [R] and exponential noise [R, V] that oracles.verify drew, replayed in
     its order from copies of the generators as they were before it ran. Rows it drew nothing
     for get numbers from elsewhere: the batched verifiers must not depend on them."""
     num_rows = sum(r.num_rows for r in rows)
@@ -128,7 +129,7 @@ def spec_and_inputs(seed: int, num_reqs: int, vocab: int, max_drafts: int = 4):
     engine = torch.Generator().manual_seed(seed + 1)
     before = copy_of(engine)
     own_before = [copy_of(r.generator) for r in rows]
-    results = rejection.verify(processed, rows, engine)
+    results = oracles.verify(processed, rows, engine)
     for r, g in zip(rows, own_before, strict=True):  # give spec_draws the generators as before
         r.generator = g
     uniforms, noise = spec_draws(rows, results, before, vocab)
@@ -147,7 +148,7 @@ def test_reference_and_kernel_equal_spec(seed, monkeypatch):
 
 
 def run_both(seed: int, num_reqs: int, vocab: int, kernel):
-    """engine.rejection.verify (the oracle) and verify_batched from equal generators: each one's
+    """oracles.verify (the oracle) and verify_batched from equal generators: each one's
     results and its generators' states afterwards."""
     gen = torch.Generator().manual_seed(seed)
     kinds = [KINDS[int(i)] for i in torch.randint(0, 4, (num_reqs,), generator=gen)]
@@ -163,7 +164,7 @@ def run_both(seed: int, num_reqs: int, vocab: int, kernel):
             tokens, accepted = pending.tokens.tolist(), pending.num_accepted.tolist()
             results = pending.results(tokens, accepted)
         else:
-            results = rejection.verify(processed, mine, engine)
+            results = oracles.verify(processed, mine, engine)
         states = [g.get_state() for g in [engine, *own] if g is not None]
         runs.append(([(r.tokens, r.num_accepted) for r in results], states))
     return runs
