@@ -55,7 +55,12 @@ GRID_LIMIT = (2**31 - 1, 65535, 65535)
 # with Triton's flags, parks a few values of a loop now and then (4 B for the varlen kernel on
 # sm_80 at Qwen2.5-1.5B's shapes); a tile that does not fit spills hundreds.
 SPILL_BUDGET = 32
-KERNEL_MODULES = ("kernels.triton_attention", "kernels.triton_lora", "kernels.triton_rejection")
+KERNEL_MODULES = (
+    "kernels.triton_attention",
+    "kernels.triton_decode",
+    "kernels.triton_lora",
+    "kernels.triton_rejection",
+)
 
 
 @dataclass

@@ -185,7 +185,8 @@ def bench_attention(copy_bw: float, quick: bool) -> dict:
     """Per context: decode (one query per request), decode with the block table 4x wider (as a
     CUDA graph's, sized for the longest context allowed), and verification (1 + 4 queries per
     request, the varlen kernel): K/V bytes read once over time, against copy bandwidth."""
-    from kernels.triton_attention import paged_attention, paged_decode_attention
+    from kernels.triton_attention import paged_attention
+    from kernels.triton_decode import paged_decode_attention
 
     num_reqs, hq, hkv, contexts = SIZES["attention"]
     dim, bs = 64, 16

@@ -297,12 +297,12 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, Hq, D]
     if meta.varlen is not None:
-        from kernels import triton_attention
+        from kernels import triton_attention, triton_decode
 
         vb = meta.varlen
         triton_attention.store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         if vb.max_query_len == 1:  # decodes only: contexts split across programs
-            return triton_attention.paged_decode_attention(
+            return triton_decode.paged_decode_attention(
                 q, k_cache, v_cache, vb.block_tables, vb.seq_lens, scale
             )
         return triton_attention.paged_attention(

@@ -77,7 +77,7 @@ def test_a_merge_tile_that_spills_fails_the_check():
     """The decode merge reading up to 1024 splits in one tile (what it did before MERGE_SPLITS,
     with splits of 16 blocks): exact under the interpreter, 255 registers and spills on a GPU."""
     patch = (
-        "import kernels.triton_attention as t; "
+        "import kernels.triton_decode as t; "
         "t.MERGE_SPLITS = t.MAX_SPLITS = 1024; t.DECODE_PROGRAMS = 1 << 20"
     )
     results = compile_all(["smollm2"], patch, (16,), ["_decode_merge_kernel"])

@@ -9,7 +9,8 @@ import triton
 import triton.language as tl
 
 from kernels import reference
-from kernels.triton_attention import _split_size, paged_attention, store_kv  # TRITON_INTERPRET
+from kernels.triton_attention import paged_attention, store_kv  # TRITON_INTERPRET: conftest
+from kernels.triton_decode import _split_size
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -212,7 +213,7 @@ def test_split_decode_equals_reference(num_splits, num_heads, num_kv_heads, bloc
     """Contexts split across programs and merged: equal to the reference for short contexts
     (fewer blocks than splits: most splits store nothing), block edges, uneven cuts, and
     contexts over many splits; None is the launcher's own choice."""
-    from kernels.triton_attention import paged_decode_attention
+    from kernels.triton_decode import paged_decode_attention
 
     ctx_lens = [0, 15, 16, 47, 100, 300]
     gen = torch.Generator().manual_seed((num_splits or 0) + 10 * num_heads + block_size)
@@ -288,8 +289,8 @@ def close(got: torch.Tensor, want: torch.Tensor) -> bool:
 def test_split_decode_merge_is_not_a_plain_average(monkeypatch):
     """The splits must be weighted by their log-sum-exp: the merge passes, and a broken merge
     (equal weights per split) fails the same comparison."""
-    from kernels import triton_attention
-    from kernels.triton_attention import paged_decode_attention
+    from kernels import triton_decode
+    from kernels.triton_decode import paged_decode_attention
 
     gen = torch.Generator().manual_seed(3)
     q, k_cache, v_cache, tables, starts, seq_lens = ragged_batch(
@@ -298,7 +299,7 @@ def test_split_decode_merge_is_not_a_plain_average(monkeypatch):
     k_cache[:, tables[0, 0]] *= 4  # the first split's keys dominate
     want = reference.varlen_paged_attention(q, k_cache, v_cache, tables, starts, seq_lens, 1.0)
     assert close(paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 1.0, 7), want)
-    monkeypatch.setattr(triton_attention, "_decode_merge_kernel", broken_merge(0))
+    monkeypatch.setattr(triton_decode, "_decode_merge_kernel", broken_merge(0))
     assert not close(paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 1.0, 7), want)
     # One split has nothing to weigh: the broken merge is right there (so it does run).
     assert close(paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 1.0, 1), want)
@@ -308,7 +309,7 @@ def test_split_decode_ignores_the_table_width():
     """A CUDA graph's block table is as wide as the longest context allowed: the splits follow
     each request's own context, so a table padded 40x wider gives the very same result, and
     the launcher's split count depends on the batch's shape, not on that width."""
-    from kernels.triton_attention import decode_splits, paged_decode_attention
+    from kernels.triton_decode import decode_splits, paged_decode_attention
 
     gen = torch.Generator().manual_seed(5)
     q, k_cache, v_cache, tables, _, seq_lens = ragged_batch(
@@ -327,8 +328,8 @@ def test_split_decode_merges_more_splits_than_one_tile(monkeypatch):
     """Over MERGE_SPLITS splits the merge runs in several passes with a running maximum: the
     dominant split sits in a later pass than the first, so a merge that does not rescale what
     it summed before fails (run here)."""
-    from kernels import triton_attention
-    from kernels.triton_attention import MERGE_SPLITS, paged_decode_attention
+    from kernels import triton_decode
+    from kernels.triton_decode import MERGE_SPLITS, paged_decode_attention
 
     gen = torch.Generator().manual_seed(4)
     num_splits = 3 * MERGE_SPLITS
@@ -341,7 +342,7 @@ def test_split_decode_merges_more_splits_than_one_tile(monkeypatch):
     got = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 1.0, num_splits)
     want = reference.varlen_paged_attention(q, k_cache, v_cache, tables, starts, seq_lens, 1.0)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    monkeypatch.setattr(triton_attention, "_decode_merge_kernel", broken_merge(1))
+    monkeypatch.setattr(triton_decode, "_decode_merge_kernel", broken_merge(1))
     broken = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 1.0, num_splits)
     assert close(broken[0], want[0])  # no context: nothing to rescale
     assert not close(broken[1], want[1]) and not close(broken[2], want[2])
@@ -350,7 +351,7 @@ def test_split_decode_merges_more_splits_than_one_tile(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_split_decode_bf16_on_gpu():
-    from kernels.triton_attention import paged_decode_attention
+    from kernels.triton_decode import paged_decode_attention
 
     gen = torch.Generator().manual_seed(2)
     ctx_lens = [3000 + 211 * i for i in range(16)] + [1, 17, 4095]
