@@ -240,8 +240,8 @@ class LLMEngine:
         pipeline = self.pipeline
         if pipeline.must_land:
             touched += self._collect(pipeline.take())
-        self.speculation.plan(self.scheduler.running)
-        sched = self.scheduler.schedule()
+        wanted = self.speculation.plan(self.scheduler.running)
+        sched = self.scheduler.schedule(wanted)
         if sched.requests:
             launched = self._launch(sched)
             previous = pipeline.push(launched)
@@ -268,12 +268,12 @@ class LLMEngine:
             raise
         uncomputed = self.kv.step_launched()
         self.kv.release_copy_sources()
-        overlappable = self._overlappable(launched.members)
+        overlappable = self._overlappable(launched.members, sched)
         step = InFlight(sched, launched, t0, t1, overlappable, uncomputed)
         step.count_launched()
         return step
 
-    def _overlappable(self, members: list[Request]) -> bool:
+    def _overlappable(self, members: list[Request], sched: SchedulerOutput) -> bool:
         """Whether the next step may be scheduled before these requests' tokens reach the host:
         nothing that shapes their next step reads them (drafts, forced tokens, grammar masks,
         penalties, min_tokens bans, forking n > 1 siblings)."""
@@ -281,7 +281,7 @@ class LLMEngine:
             return False
         return not any(
             r.grammar is not None
-            or self.speculation.holds_back(r)
+            or self.speculation.holds_back(r, sched)
             or r.siblings
             or r.status == RequestStatus.FORK_PENDING
             or r.params.has_penalties
@@ -311,24 +311,25 @@ class LLMEngine:
                 continue
             num_accepted = result.num_accepted.get(request, 0)
             request.num_computed_tokens += num_accepted
-            request.step_kinds = "p"
             if k:
-                self._settle_drafts(request, k, num_accepted)
+                self._settle_drafts(request, sched, num_accepted, result)
         touched = self._process_samples(result)
         for group in self._end_failed([*sched.requests, *self.scheduler.running]):
             if group not in touched:
                 touched.append(group)
         return touched
 
-    def _settle_drafts(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+    def _settle_drafts(
+        self, request: Request, sched: SchedulerOutput, num_accepted: int, result: StepResult
+    ) -> None:
         """After a verification: the first num_accepted drafts hold. Reclaim the slots of the
-        rejected ones, count, and cache the blocks the accepted ones filled."""
+        rejected ones, record the emitted tokens' kinds and the rejected drafts on the result,
+        count, and cache the blocks the accepted ones filled."""
         self.kv.trim(request)
-        num_forced = min(len(request.forced_token_ids), num_drafts)
-        request.step_kinds = step_token_kinds(num_drafts, num_forced, num_accepted)
-        request.step_rejected = request.spec_token_ids[num_accepted:]
-        self.speculation.record(request, num_drafts, num_accepted)
-        request.spec_token_ids, request.draft_probs = [], None
+        drafts, num_forced = sched.drafts[request], sched.num_forced[request]
+        result.kinds[request] = step_token_kinds(len(drafts), num_forced, num_accepted)
+        result.rejected[request] = drafts[num_accepted:]
+        self.speculation.record(request, len(drafts), num_forced, num_accepted)
         if self.draft_runner is not None:
             computed = request.num_computed_tokens
             request.num_draft_computed = min(request.num_draft_computed, computed)
@@ -364,8 +365,8 @@ class LLMEngine:
         for request, _ in result.sampled:
             if request.status == RequestStatus.FORK_PENDING and request.request_id in self.groups:
                 # Fork every sibling before any append can finish (and free) the leader.
+                # Its first token: sampled from the leader's logits (a plain token).
                 self.scheduler.fork(self.groups[request.request_id].leader, request)
-                request.step_kinds = "p"  # its first token: sampled from the leader's logits
         for request, tokens in result.sampled:
             request.siblings = []
             if request.error or request.is_finished:  # failed this step (e.g. its mask), or
@@ -373,11 +374,11 @@ class LLMEngine:
             group = self.groups[request.request_id]
             touched[group.request_id] = group
             logprobs = result.logprobs.get(request) or [None] * len(tokens)
-            for token, lp, kind in zip(tokens, logprobs, request.step_kinds, strict=True):
+            kinds = result.kinds.get(request, "p")
+            for token, lp, kind in zip(tokens, logprobs, kinds, strict=True):
                 if kind == "r":
-                    request.rejected_drafts.append(
-                        (request.num_output_tokens, request.step_rejected)
-                    )
+                    rejected = result.rejected[request]
+                    request.rejected_drafts.append((request.num_output_tokens, rejected))
                 request.token_kinds.append(kind)
                 if self._append(group, request, token, lp):
                     ended.append(group)

@@ -80,6 +80,10 @@ class StepResult:
     num_accepted: dict[Request, int] = field(default_factory=dict)  # drafts accepted
     logprobs: dict[Request, list[RawLogprobs]] = field(default_factory=dict)  # per emitted token
     prompt_logprobs: dict[Request, list[RawLogprobs]] = field(default_factory=dict)
+    # Set by the engine once verdicts are in: each emitted token's kind (request.TOKEN_KINDS;
+    # absent: one plain token), and the drafts the target rejected.
+    kinds: dict[Request, str] = field(default_factory=dict)
+    rejected: dict[Request, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -290,7 +294,7 @@ class ModelRunner:
         for request, n, k in sched.scheduled():
             start = request.num_computed_tokens
             base = n - k  # tokens of the request itself; the rest of the row count is drafts
-            drafts = request.spec_token_ids
+            drafts = sched.drafts_of(request)
             tokens = request.token_ids[start : start + base]
             last_from = None
             if len(tokens) < base:  # its last token was sampled by the step in flight
@@ -301,26 +305,27 @@ class ModelRunner:
             items.append(ForwardItem(request, start, tokens + drafts, last_from))
             row += base + len(drafts)
             if start + base == request.num_tokens + request.num_pending:
-                verify_rows.append((request, row - 1 - len(drafts)))
+                q = sched.draft_probs.get(request)
+                verify_rows.append((request, row - 1 - len(drafts), drafts, q))
         hidden = self.forward(items, tables)
         pending = self._sample(hidden, verify_rows)
         self._prompt_logprobs(hidden, items, pending)
         return LaunchedStep(pending)
 
     def _sample(self, hidden: torch.Tensor, verify_rows) -> PendingStep:
-        """verify_rows: (request, row of its last real token); its drafts' rows follow. Queues
+        """verify_rows: (request, row of its last real token, its drafts, their q or None); the
+        drafts' rows follow the last real token's. Queues
         the sampling (and verification) of every request that samples; keeps their tokens on
         the device when asked (keep_sampled)."""
         rows: list[int] = []
         pending = PendingStep(DeviceResults())
         spans, members = pending.spans, pending.members
-        for request, row in verify_rows:
-            drafts = request.spec_token_ids
+        for request, row, drafts, q in verify_rows:
             spans.append(
                 VerifyRow(
                     len(rows),
                     drafts,
-                    request.draft_probs if drafts else None,
+                    q if drafts else None,
                     request.params.is_greedy,
                     request.generator_on(self.device),
                 )

@@ -114,25 +114,15 @@ class Request(TokenHistory):
         self.prompt_logprobs: list = []  # per prompt position, when params.prompt_logprobs is set
         self.cumulative_logprob = 0.0
         self.siblings: list[Request] = []  # n > 1: requests forked from this leader
-        # Speculation. num_spec_wanted: draft slots to ask for next step (set by the engine);
-        # forced_token_ids: tokens a constraint forces next, verified ahead of the proposals;
-        # spec_token_ids / draft_probs: this step's drafts ([d, V] q, None when one-hot);
-        # num_draft_computed: tokens whose KV the draft model holds (it may lag the target);
-        # spec: its speculation counters.
-        self.num_spec_wanted = 0
-        self.forced_token_ids: list[int] = []
-        self.spec_token_ids: list[int] = []
-        self.draft_probs: torch.Tensor | None = None
+        # Speculation (a step's drafts live on its SchedulerOutput): num_draft_computed, tokens
+        # whose KV the draft model holds (it may lag the target); spec, its counters.
         self.num_draft_computed = 0
         self.spec = SpecStats()
         self.grammar: RequestGrammar | None = None  # set when params.structured_outputs is
         # Where each output token came from (TOKEN_KINDS), and the drafts the target rejected:
-        # (output position of the token that replaced them, their ids). step_kinds and
-        # step_rejected: the current step's kinds of emitted tokens and rejected drafts.
+        # (output position of the token that replaced them, their ids).
         self.token_kinds: list[str] = []
         self.rejected_drafts: list[tuple[int, list[int]]] = []
-        self.step_kinds: str = ""
-        self.step_rejected: list[int] = []
         self.lora: LoRAAdapter | None = None  # the request's adapter (target model)
         self.draft_lora: LoRAAdapter | None = None  # the draft model's adapter, if any
         self.error: str | None = None  # set by fail(); the engine ends its group after the step

@@ -16,11 +16,15 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.errors import ParamError
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -30,6 +34,15 @@ class SchedulerOutput:
     num_drafts: list[int] = field(default_factory=list)  # draft slots reserved (speculation)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) CoW
     preempted: list[Request] = field(default_factory=list)
+    # Filled once scheduled (spec.speculation.Speculation.propose), per request with draft
+    # slots: its drafts (forced tokens first, then the proposer's; at most its slots), how many
+    # of them are forced, and q [d, V] where a proposer sampled them (absent: one-hot).
+    drafts: dict[Request, list[int]] = field(default_factory=dict)
+    num_forced: dict[Request, int] = field(default_factory=dict)
+    draft_probs: dict[Request, torch.Tensor] = field(default_factory=dict)
+
+    def drafts_of(self, request: Request) -> list[int]:
+        return self.drafts.get(request, [])
 
     def scheduled(self):
         """(request, tokens to compute including drafts, of which drafts) per request."""
@@ -59,8 +72,10 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, wanted: dict[Request, int] | None = None) -> SchedulerOutput:
+        """wanted: draft slots a decoding request asks for (spec.speculation's plan)."""
         out = SchedulerOutput()
+        wanted = wanted or {}
         budget = self.max_num_batched_tokens
         loras: tuple[set, set] = (set(), set())  # target and draft adapters in this step (ids)
         i = 0
@@ -73,7 +88,7 @@ class Scheduler:
                 i += 1  # its last token is in flight: it finishes when that comes back
                 continue
             num_new = min(request.num_uncomputed, budget)
-            num_drafts = self._draft_slots(request, num_new, budget)
+            num_drafts = self._draft_slots(request, num_new, budget, wanted.get(request, 0))
             if not self._allocate_or_preempt(request, num_new, num_drafts, out):
                 break  # the request preempted itself: nothing after it can run either
             self.kv.cache_blocks(request, request.num_computed_tokens + num_new)
@@ -127,13 +142,13 @@ class Scheduler:
                 taken.add(id(adapter))
 
     @staticmethod
-    def _draft_slots(request: Request, num_new: int, budget: int) -> int:
+    def _draft_slots(request: Request, num_new: int, budget: int, wanted: int) -> int:
         """Draft tokens to verify after a decode token: what the request wants, within the
         budget and never past what it may still emit (k drafts can yield k + 1 tokens)."""
         if num_new != 1 or not request.is_decoding:
             return 0
         room = request.max_output_tokens - request.num_output_tokens - 1
-        return max(0, min(request.num_spec_wanted, budget - 1, room))
+        return max(0, min(wanted, budget - 1, room))
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, num_drafts: int, out: SchedulerOutput
@@ -174,7 +189,6 @@ class Scheduler:
         """Recompute-style preemption: drop the KV, keep the tokens, requeue at the front."""
         self.kv.free(request)
         request.num_computed_tokens = request.num_draft_computed = 0
-        request.spec_token_ids, request.draft_probs = [], None
         if request.grammar is not None:
             request.grammar.release()  # a re-admitted request replays its output
         request.status = RequestStatus.PREEMPTED

@@ -37,51 +37,47 @@ class DraftModelProposer:
     @torch.inference_mode()
     def propose(self, sched: SchedulerOutput, tables: dict[Request, list[int]]) -> None:
         self.runner.copy_blocks(sched.block_copies)
-        wanting = list(drafts_wanted(sched))
+        wanting = list(drafts_wanted(sched))  # (request, its drafts so far, drafts to add)
         if not wanting:
             return
         items, last_rows, row = [], [], 0
-        for request, _ in wanting:
+        for request, drafts, _ in wanting:
             # The target's tokens up to this decode, then any forced drafts already in place.
             end = request.num_tokens
             start = min(request.num_draft_computed, end - 1)
-            tokens = request.token_ids[start:end] + request.spec_token_ids
+            tokens = request.token_ids[start:end] + drafts
             items.append(ForwardItem(request, start, tokens))
             row += len(tokens)
             last_rows.append(row - 1)
             request.num_draft_computed = start + len(tokens)
         t0 = time.perf_counter()
         hidden = self.runner.forward(items, tables)
-        self._extend(self.runner.device_logits(hidden, last_rows), [r for r, _ in wanting])
+        self._extend(self.runner.device_logits(hidden, last_rows), [(r, d) for r, d, _ in wanting])
         self.pass_times.append((row, time.perf_counter() - t0))
-        for step in range(1, max(k for _, k in wanting)):
+        for step in range(1, max(k for _, _, k in wanting)):
             t0 = time.perf_counter()
-            active = [r for r, k in wanting if k > step]
-            items = [
-                ForwardItem(r, r.num_tokens + len(r.spec_token_ids) - 1, r.spec_token_ids[-1:])
-                for r in active
-            ]
+            active = [(r, d) for r, d, k in wanting if k > step]
+            items = [ForwardItem(r, r.num_tokens + len(d) - 1, d[-1:]) for r, d in active]
             hidden = self.runner.forward(items, tables)
-            for r in active:
+            for r, _ in active:
                 r.num_draft_computed += 1
             self._extend(self.runner.device_logits(hidden, None), active)
             self.pass_times.append((len(active), time.perf_counter() - t0))
 
-    def _extend(self, logits: torch.Tensor, requests: list[Request]) -> None:
-        """Append each request's next greedy draft (logits [R, V] on the device), under its own
-        logits pipeline for the requests whose pipeline can move the argmax."""
+    def _extend(self, logits: torch.Tensor, active: list[tuple[Request, list[int]]]) -> None:
+        """Append each (request, drafts)'s next greedy draft (logits [R, V] on the device),
+        under its own logits pipeline for the requests whose pipeline can move the argmax."""
         tokens = logits.argmax(dim=-1)  # [R]
-        slow = [i for i, r in enumerate(requests) if not keeps_argmax(r)]
+        slow = [i for i, (r, _) in enumerate(active) if not keeps_argmax(r)]
         if slow:
             device = logits.device
             index = to_device(host_tensor(slow), device)
             part = logits[index].float()  # [S, V]
             if self.logits_masker is not None:  # propose only what the grammar allows
-                rows = [(requests[i], requests[i].spec_token_ids) for i in slow]
-                mask_logits(self.logits_masker, part, rows)
-            views = [RequestAt(requests[i], requests[i].spec_token_ids) for i in slow]
+                mask_logits(self.logits_masker, part, [active[i] for i in slow])
+            views = [RequestAt(*active[i]) for i in slow]
             batch = SamplingBatch.from_requests(views, self.runner.cfg.vocab_size, device)
             tokens[index] = process_logits(part, batch).argmax(dim=-1)
         tokens = to_host([tokens])[0].tolist()
-        for r, token in zip(requests, tokens, strict=True):
-            r.spec_token_ids.append(token)
+        for (_, drafts), token in zip(active, tokens, strict=True):
+            drafts.append(token)

@@ -1,11 +1,11 @@
 """What the engine asks of a proposer and of a forced-token source; the n-gram proposer.
 
 After the scheduler has reserved up to k draft slots for a request (`SchedulerOutput.num_drafts`),
-the engine puts the request's forced tokens first in `request.spec_token_ids` (tokens a grammar
-allows alone: free drafts, no proposer work), and `propose` extends the list to at most k tokens,
-setting `request.draft_probs` to the proposal distribution q ([d, V]) or None when the proposal
-is deterministic. The verifier is lossless whatever a proposer returns; proposers only decide
-how much is accepted.
+the engine puts the request's forced tokens first in `SchedulerOutput.drafts[request]` (tokens a
+grammar allows alone: free drafts, no proposer work), and `propose` extends that list to at most
+k tokens, setting `SchedulerOutput.draft_probs[request]` to the proposal distribution q ([d, V])
+where the proposal is sampled (absent: deterministic). The verifier is lossless whatever a
+proposer returns; proposers only decide how much is accepted.
 """
 
 from __future__ import annotations
@@ -36,10 +36,12 @@ class ForcedTokens(Protocol):
 
 
 def drafts_wanted(sched: SchedulerOutput):
-    """(request, drafts still to propose) for every request with draft slots left."""
+    """(request, its drafts so far, drafts still to propose) for every request with draft
+    slots left; the proposer extends the list in place."""
     for request, _, k in sched.scheduled():
-        if k > len(request.spec_token_ids):
-            yield request, k - len(request.spec_token_ids)
+        drafts = sched.drafts.setdefault(request, []) if k else []
+        if k > len(drafts):
+            yield request, drafts, k - len(drafts)
 
 
 class NgramProposer:
@@ -52,8 +54,8 @@ class NgramProposer:
         self.min_n, self.max_n = min_n, max_n
 
     def propose(self, sched: SchedulerOutput, tables: dict[Request, list[int]]) -> None:
-        for request, k in drafts_wanted(sched):
-            request.spec_token_ids += self.lookup(request.token_ids + request.spec_token_ids, k)
+        for request, drafts, k in drafts_wanted(sched):
+            drafts += self.lookup(request.token_ids + drafts, k)
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         arr = np.asarray(tokens)

@@ -33,6 +33,8 @@ class Speculation:
         self.by_adapter: dict[str, SpecStats] = {}
         self.seconds = {"draft": 0.0, "verify": 0.0}
         self._acceptance: WeakKeyDictionary[Request, Acceptance] = WeakKeyDictionary()
+        self.wanted: dict[Request, int] = {}  # the last plan's draft slots per request
+        self._forced: dict[Request, list[int]] = {}  # the last plan's forced tokens
 
     @property
     def active(self) -> bool:
@@ -55,36 +57,34 @@ class Speculation:
         return own
 
     # ---- before scheduling -------------------------------------------------------------
-    def plan(self, running: list[Request]) -> None:
-        """Draft slots each running request asks for in the coming step (num_spec_wanted): its
-        forced tokens, then its own k if it set one, else the engine's (a fixed k, or the
-        adaptive plan capped by it)."""
+    def plan(self, running: list[Request]) -> dict[Request, int]:
+        """Draft slots each running request asks for in the coming step (`wanted`, what the
+        scheduler reads): its forced tokens, then its own k if it set one, else the engine's (a
+        fixed k, or the adaptive plan capped by it)."""
+        self.wanted, self._forced = {}, {}
         if not self.active:
-            return
+            return self.wanted
         adaptive = []
         for request in running:
-            request.forced_token_ids = []
             # (A token still in flight: what it forces next is not known yet.)
             ready = request.is_decoding and not request.error and not request.num_pending
             if self.forced_tokens is not None and ready:
                 try:
-                    request.forced_token_ids = self.forced_tokens.forced_tokens(
-                        request, MAX_SPECULATIVE_TOKENS
-                    )
+                    forced = self.forced_tokens.forced_tokens(request, MAX_SPECULATIVE_TOKENS)
                 except Exception as exc:  # one request's grammar: that request alone
                     request.fail("grammar", exc)
+                    forced = []
+                if forced:
+                    self._forced[request] = forced
             k = request.params.num_speculative_tokens if self.proposer is not None else 0
-            request.num_spec_wanted = self.k if k is None else k
+            self.wanted[request] = self.k if k is None else k
             if k is None and self.adaptive is not None and request.is_decoding:
                 adaptive.append(request)
         if adaptive:
             self._plan_adaptive(adaptive)
-        for request in running:
-            if request.forced_token_ids:
-                request.num_spec_wanted = min(
-                    len(request.forced_token_ids) + request.num_spec_wanted,
-                    MAX_SPECULATIVE_TOKENS,
-                )
+        for request, forced in self._forced.items():
+            self.wanted[request] = min(len(forced) + self.wanted[request], MAX_SPECULATIVE_TOKENS)
+        return self.wanted
 
     def _plan_adaptive(self, requests: list[Request]) -> None:
         candidates = []
@@ -94,37 +94,42 @@ class Speculation:
             own = self.acceptance(request)
             candidates.append(self.adaptive.candidate(own, room, min(lag, room + 1)))
         for request, k in zip(requests, self.adaptive.plan(candidates), strict=True):
-            request.num_spec_wanted = k
+            self.wanted[request] = k
             if k == 0:  # not drafting teaches nothing: drift back towards the engine's rate
                 self.adaptive.idle(self.acceptance(request))
 
     # ---- once scheduled ----------------------------------------------------------------
     def propose(self, sched: SchedulerOutput, tables: dict[Request, list[int]], grammar) -> None:
-        """Fill the draft slots: forced tokens first, then the proposer's drafts, each list cut
-        at its first token the grammar refuses; give back the slots a request did not fill."""
+        """Fill the draft slots on `sched`: forced tokens first, then the proposer's drafts,
+        each list cut at its first token the grammar refuses; give back the slots a request
+        did not fill."""
         for request, _, k in sched.scheduled():
-            request.spec_token_ids = request.forced_token_ids[:k]
+            if k:
+                sched.drafts[request] = self._forced.get(request, [])[:k]
         if self.proposer is not None:
             self.proposer.propose(sched, tables)
-        if grammar is not None:
-            for request in sched.requests:
+        for i, request in enumerate(sched.requests):
+            drafts = sched.drafts.get(request)
+            if drafts is None:
+                continue
+            if grammar is not None:
                 try:
-                    n = grammar.valid_prefix(request, request.spec_token_ids)
+                    n = grammar.valid_prefix(request, drafts)
                 except Exception as exc:
                     request.fail("grammar", exc)
                     n = 0
-                del request.spec_token_ids[n:]
-                if request.draft_probs is not None:
-                    request.draft_probs = request.draft_probs[:n]
-        for i, request in enumerate(sched.requests):
-            num_drafts = len(request.spec_token_ids)
-            sched.num_new_tokens[i] -= sched.num_drafts[i] - num_drafts
-            sched.num_drafts[i] = num_drafts
+                del drafts[n:]
+                if request in sched.draft_probs:
+                    sched.draft_probs[request] = sched.draft_probs[request][:n]
+            forced = min(len(self._forced.get(request, [])), sched.num_drafts[i], len(drafts))
+            sched.num_forced[request] = forced
+            sched.num_new_tokens[i] -= sched.num_drafts[i] - len(drafts)
+            sched.num_drafts[i] = len(drafts)
 
-    def holds_back(self, request: Request) -> bool:
+    def holds_back(self, request: Request, sched: SchedulerOutput) -> bool:
         """Whether the request's next step depends on this step's tokens on the host (its
         drafts or forced tokens are built from them), so steps may not overlap."""
-        if self.proposer is not None or request.spec_token_ids:
+        if self.proposer is not None or sched.drafts_of(request):
             return True
         return self.forced_tokens is not None and self.forced_tokens.applies_to(request)
 
@@ -148,10 +153,9 @@ class Speculation:
                 request.spec.draft_seconds += (t1 - t0) * k / num_drafts if num_drafts else 0.0
                 request.spec.target_seconds += (t2 - t1) * n / num_tokens
 
-    def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
-        """One verification of the request's drafts: counters, and the adaptive planner's
-        acceptance history."""
-        num_forced = min(len(request.forced_token_ids), num_drafts)
+    def record(self, request: Request, num_drafts: int, num_forced: int, num_accepted: int) -> None:
+        """One verification of the request's drafts (the first num_forced of them forced):
+        counters, and the adaptive planner's acceptance history."""
         request.spec.record(num_drafts, num_accepted, num_forced)
         self.stats.record(num_drafts, num_accepted, num_forced)
         if request.lora is not None:  # acceptance per adapter
