@@ -75,32 +75,6 @@ class AttentionMetadata:
     decode: DecodeBatch | None = None  # set for fused CPU decode (then no buckets)
 
 
-BACKENDS = ("auto", "torch", "triton")
-
-
-def resolve_backend(
-    name: str, sliding_window: int | None, device: torch.device | str = "cpu"
-) -> str:
-    """ "auto": Triton on CUDA, else the torch reference; "triton" on CPU needs
-    TRITON_INTERPRET=1 (triton's interpreter)."""
-    import os
-
-    if name not in BACKENDS:
-        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
-    on_cuda = torch.device(device).type == "cuda"
-    if name == "auto":
-        return "triton" if on_cuda and sliding_window is None else "torch"
-    if name == "triton":
-        if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(
-                "attention_backend='triton' needs a CUDA device or TRITON_INTERPRET=1 (set "
-                "before triton is imported)"
-            )
-        if sliding_window is not None:
-            raise ValueError("attention_backend='triton' does not support sliding_window yet")
-    return name
-
-
 def slot_ids(block_table: list[int], start: int, num_tokens: int, block_size: int) -> list[int]:
     """The KV cache slots of a request's positions start .. start + num_tokens - 1."""
     return [

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from engine.attention import resolve_backend
+from engine.backends import resolve_backend
 from engine.config import MAX_SPECULATIVE_TOKENS, EngineConfig
 from engine.detokenizer import ExactDecoder
 from engine.errors import ParamError
@@ -76,7 +76,7 @@ class LLMEngine:
         from spec.speculation import build_speculation
 
         self.speculation = build_speculation(config, self.draft_runner)
-        graphs = device.type == "cuda" and self.runner.attention_backend == "triton"
+        graphs = device.type == "cuda" and self.runner.backend.static_buffers
         if graphs and not config.enforce_eager:
             max_query_len = 1 + self.speculation.k
             for runner in filter(None, (self.runner, self.draft_runner)):

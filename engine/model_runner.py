@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from engine.attention import build_metadata
+from engine.backends import TORCH, Backend
 from engine.cuda_graphs import GraphRunner
 from engine.device import HostCopy, host_tensor, to_device
 from engine.inputs import ForwardItem, SampledTokens, fill_pending, flat_inputs, pending_inputs
@@ -46,7 +46,6 @@ from engine.sampler import (
     process_logits,
 )
 from engine.scheduler import SchedulerOutput
-from kernels import reference
 from lora.batch import LoRABatch, LoRASlots
 
 
@@ -181,12 +180,12 @@ class ModelRunner:
         cfg: ModelConfig,
         num_blocks: int,
         block_size: int,
-        attention_backend: str = "torch",
+        backend: Backend = TORCH,
     ):
         self.model = model
         self.cfg = cfg
         self.block_size = block_size
-        self.attention_backend = attention_backend  # "torch" (reference) or "triton"
+        self.backend = backend  # the torch references or the Triton kernels
         weight = model.norm.weight  # (packed or quantized layers keep no dense weight)
         self.device, self.dtype = weight.device, weight.dtype
         # [num_layers, 2 (K, V), Hkv, num_blocks, block_size, D]
@@ -201,12 +200,6 @@ class ModelRunner:
             device=self.device,
         )
         self.generator = torch.Generator(self.device).manual_seed(0)  # unseeded requests' draws
-        # Batched verification: the fused kernel with the Triton backend, else its reference.
-        self.verify_kernel = reference.rejection_verify
-        if attention_backend == "triton":
-            from kernels.triton_rejection import rejection_verify
-
-            self.verify_kernel = rejection_verify
         # Constrained decoding: masker(logits [R, V], [(request, drafts before row i)]) in place.
         self.logits_masker = None
         self.lora_slots: LoRASlots | None = None  # adapter slots, when LoRA is enabled
@@ -220,10 +213,8 @@ class ModelRunner:
     def use_graphs(self, max_num_seqs: int, max_model_len: int, max_query_len: int) -> None:
         """Decode and verification steps (up to max_query_len tokens per request, no adapter)
         from static buffers: CUDA graphs on CUDA; on CPU the same padded forward, eagerly."""
-        if self.attention_backend != "triton":
-            raise ValueError(
-                f"graphs need the Triton attention backend, got {self.attention_backend!r}"
-            )
+        if not self.backend.static_buffers:
+            raise ValueError(f"graphs need the Triton attention backend, got {self.backend.name!r}")
         self.graphs = GraphRunner(
             self.model,
             self.kv_caches,
@@ -249,16 +240,9 @@ class ModelRunner:
         if lora is None and self.graphs is not None and self.graphs.fits(items):
             return self.graphs.forward(items, tables, self.sampled)
         flat = flat_inputs(items, tables, self.block_size)
-        meta = build_metadata(
-            flat.seq_lens,
-            flat.query_lens,
-            flat.tables,
-            host_tensor(flat.slots),
-            self.block_size,
-            self.cfg.sliding_window,
-            self.attention_backend,
-            fused_decode=lora is None and self.model.fused_decode,
-        )
+        slots = host_tensor(flat.slots)
+        fused = lora is None and self.model.fused_decode
+        meta = self.backend.metadata(flat, slots, self.block_size, self.cfg.sliding_window, fused)
         ids, pos = host_tensor(flat.input_ids), host_tensor(flat.positions)
         ids, pos, meta, lora = to_device((ids, pos, meta, lora), self.device)
         fill_pending(ids, pending_inputs(items), self.sampled)
@@ -281,7 +265,7 @@ class ModelRunner:
         token_slots = []
         for item, lora in zip(items, loras, strict=True):
             token_slots += [slot_of[id(lora)] if lora else 0] * len(item.token_ids)
-        return LoRABatch.build(self.lora_slots, token_slots, self.attention_backend)
+        return self.backend.lora_batch(self.lora_slots, token_slots)
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, tables: dict[Request, list[int]]) -> LaunchedStep:
@@ -392,7 +376,7 @@ class ModelRunner:
             mask_logits(self.logits_masker, logits, mask_rows)
         batch = SamplingBatch.from_requests(views, self.cfg.vocab_size, device)
         processed = process_logits(logits, batch)
-        verify = verify_batched(processed, own_spans, self.generator, self.verify_kernel)
+        verify = verify_batched(processed, own_spans, self.generator, self.backend.verify_kernel)
         pending.verify = verify
         pending.device.tokens, pending.device.num_accepted = verify.tokens, verify.num_accepted
         # Logprobs of every row of the requests that ask (where each walk ends is not known

@@ -131,7 +131,7 @@ def test_cuda_bf16_engine_agrees_with_hf_bf16_on_cuda(tiny_llama):
     llm = LLM(str(tiny_llama), max_num_batched_tokens=16)
     runner = llm.engine.runner
     assert runner.device.type == "cuda" and runner.kv_caches.dtype == torch.bfloat16
-    assert runner.attention_backend == "triton"
+    assert runner.backend.name == "triton"
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert assert_hf_bf16_argmax(tiny_llama, got, "cuda") >= len(PROMPTS) * NEW_TOKENS - 2

@@ -152,7 +152,7 @@ def test_engine_greedy_equal_with_triton_backend(tiny_llama, spec):
             attention_backend=backend,
             speculative_method=spec,
         )
-        assert llm.engine.runner.attention_backend == backend
+        assert llm.engine.runner.backend.name == backend
         outs[backend] = [
             o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
         ]
@@ -187,7 +187,7 @@ def test_engine_sampled_equal_with_triton_backend(tiny_llama):
             o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
         ]
         stats[backend] = llm.engine.speculation.stats
-        kernel = llm.engine.runner.verify_kernel.__module__
+        kernel = llm.engine.runner.backend.verify_kernel.__module__
         assert (
             kernel == {"torch": "kernels.reference", "triton": "kernels.triton_rejection"}[backend]
         )
@@ -197,9 +197,9 @@ def test_engine_sampled_equal_with_triton_backend(tiny_llama):
 
 
 def test_backend_choice():
-    from engine.attention import resolve_backend
+    from engine.backends import resolve_backend
 
-    assert resolve_backend("auto", None) == "torch"  # the engine runs on CPU today
+    assert resolve_backend("auto", None).name == "torch"  # the engine runs on CPU today
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         resolve_backend("flash", None)
     with pytest.raises(ValueError, match="sliding_window"):

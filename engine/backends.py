@@ -1,0 +1,83 @@
+"""The kernels a model runner uses, chosen once when it is built: the torch references (the CPU
+path) or the Triton kernels (CUDA, or Triton's interpreter on CPU).
+
+Everything that differs between the two is here: how a step's attention metadata is laid out
+(buckets and prefill spans for the reference, one variable-length batch for the kernels), how
+its LoRA rows are batched (packed matmuls, or the SGMV kernels' segments), which kernel
+verifies drafts, and whether decode steps may run from the CUDA-graph runner's static buffers
+(they need the variable-length kernels).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata, build_metadata
+from engine.inputs import FlatInputs
+from kernels import reference
+from lora.batch import LoRABatch, LoRASlots
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str  # "torch" | "triton"
+    static_buffers: bool  # the CUDA-graph runner can serve its decode steps
+    verify_kernel: Callable  # engine.rejection.VerifyKernel
+
+    def metadata(
+        self,
+        flat: FlatInputs,
+        slot_mapping: torch.Tensor,
+        block_size: int,
+        sliding_window: int | None,
+        fused_decode: bool,
+    ) -> AttentionMetadata:
+        return build_metadata(
+            flat.seq_lens,
+            flat.query_lens,
+            flat.tables,
+            slot_mapping,
+            block_size,
+            sliding_window,
+            self.name,
+            fused_decode,
+        )
+
+    def lora_batch(self, slots: LoRASlots, token_slots: list[int]) -> LoRABatch | None:
+        return LoRABatch.build(slots, token_slots, self.name)
+
+
+TORCH = Backend("torch", static_buffers=False, verify_kernel=reference.rejection_verify)
+
+
+def triton_backend() -> Backend:
+    from kernels.triton_rejection import rejection_verify  # imports triton
+
+    return Backend("triton", static_buffers=True, verify_kernel=rejection_verify)
+
+
+def resolve_backend(
+    name: str, sliding_window: int | None, device: torch.device | str = "cpu"
+) -> Backend:
+    """ "auto": Triton on CUDA, else the torch reference; "triton" on CPU needs
+    TRITON_INTERPRET=1 (triton's interpreter)."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
+    on_cuda = torch.device(device).type == "cuda"
+    if name == "auto":
+        name = "triton" if on_cuda and sliding_window is None else "torch"
+    elif name == "triton":
+        if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "attention_backend='triton' needs a CUDA device or TRITON_INTERPRET=1 (set "
+                "before triton is imported)"
+            )
+        if sliding_window is not None:
+            raise ValueError("attention_backend='triton' does not support sliding_window yet")
+    return triton_backend() if name == "triton" else TORCH
