@@ -27,7 +27,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner, StepResult
 from engine.models.loader import load_engine_models
 from engine.outputs import RequestGroup, RequestOutput, decode_logprobs
-from engine.pipeline import InFlight, Pipeline
+from engine.pipeline import InFlight, Pipeline, may_overlap
 from engine.request import Request, RequestStatus, step_token_kinds
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -85,7 +85,7 @@ class LLMEngine:
             device.type == "cuda" if config.async_scheduling is None else config.async_scheduling
         )
         # Sampled tokens stay on the device only for a next step launched before they reach the
-        # host; with a proposer no step overlaps (see _overlappable), so none is kept.
+        # host; with a proposer no step overlaps (see pipeline.may_overlap), so none is kept.
         self.runner.keep_sampled = self.async_scheduling and self.speculation.proposer is None
         self.pipeline = Pipeline()
         # Groups a step() touched before it raised: their outputs come with the next step().
@@ -268,26 +268,12 @@ class LLMEngine:
             raise
         uncomputed = self.kv.step_launched()
         self.kv.release_copy_sources()
-        overlappable = self._overlappable(launched.members, sched)
+        overlappable = self.async_scheduling and may_overlap(
+            launched.members, lambda r: self.speculation.holds_back(r, sched)
+        )
         step = InFlight(sched, launched, t0, t1, overlappable, uncomputed)
         step.count_launched()
         return step
-
-    def _overlappable(self, members: list[Request], sched: SchedulerOutput) -> bool:
-        """Whether the next step may be scheduled before these requests' tokens reach the host:
-        nothing that shapes their next step reads them (drafts, forced tokens, grammar masks,
-        penalties, min_tokens bans, forking n > 1 siblings)."""
-        if not self.async_scheduling:
-            return False
-        return not any(
-            r.grammar is not None
-            or self.speculation.holds_back(r, sched)
-            or r.siblings
-            or r.status == RequestStatus.FORK_PENDING
-            or r.params.has_penalties
-            or r.num_output_tokens < r.params.min_tokens
-            for r in members
-        )
 
     def _collect(self, step: InFlight) -> list[RequestGroup]:
         """Wait for a launched step's results and land them: verdicts, tokens, stop checks.

@@ -10,9 +10,11 @@ the device's copy. The counts below keep the scheduler's view right meanwhile:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.model_runner import LaunchedStep
+from engine.request import Request, RequestStatus
 from engine.scheduler import SchedulerOutput
 
 
@@ -65,3 +67,18 @@ class Pipeline:
     def take(self) -> InFlight | None:
         step, self.in_flight = self.in_flight, None
         return step
+
+
+def may_overlap(members: list[Request], holds_back: Callable[[Request], bool]) -> bool:
+    """Whether the next step may be scheduled before these requests' tokens reach the host:
+    nothing that shapes their next step reads them (drafts or forced tokens, by holds_back;
+    grammar masks, penalties, min_tokens bans, forking n > 1 siblings)."""
+    return not any(
+        r.grammar is not None
+        or holds_back(r)
+        or r.siblings
+        or r.status == RequestStatus.FORK_PENDING
+        or r.params.has_penalties
+        or r.num_output_tokens < r.params.min_tokens
+        for r in members
+    )
