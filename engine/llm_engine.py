@@ -26,7 +26,7 @@ from engine.introspection import snapshot
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner, StepResult
 from engine.models.loader import load_engine_models
-from engine.outputs import RequestGroup, RequestOutput, decode_logprobs
+from engine.outputs import RequestGroup, RequestOutput
 from engine.pipeline import InFlight, Pipeline, may_overlap
 from engine.request import Request, RequestStatus, step_token_kinds
 from engine.sampling_params import SamplingParams
@@ -346,8 +346,9 @@ class LLMEngine:
     def _process_samples(self, result: StepResult) -> list[RequestGroup]:
         touched: dict[str, RequestGroup] = {}
         ended: list[RequestGroup] = []  # groups a completion of which finished this step
-        for request, prompt_lps in result.prompt_logprobs.items():
-            request.prompt_logprobs.extend(decode_logprobs(self._decode, lp) for lp in prompt_lps)
+        for request, (first, prompt_lps) in result.prompt_logprobs.items():
+            if request.request_id in self.groups:
+                self.groups[request.request_id].add_prompt_logprobs(first, prompt_lps)
         for request, _ in result.sampled:
             if request.status == RequestStatus.FORK_PENDING and request.request_id in self.groups:
                 # Fork every sibling before any append can finish (and free) the leader.
@@ -360,13 +361,9 @@ class LLMEngine:
             group = self.groups[request.request_id]
             touched[group.request_id] = group
             logprobs = result.logprobs.get(request) or [None] * len(tokens)
-            kinds = result.kinds.get(request, "p")
+            kinds, rejected = result.kinds.get(request, "p"), result.rejected.get(request, [])
             for token, lp, kind in zip(tokens, logprobs, kinds, strict=True):
-                if kind == "r":
-                    rejected = result.rejected[request]
-                    request.rejected_drafts.append((request.num_output_tokens, rejected))
-                request.token_kinds.append(kind)
-                if self._append(group, request, token, lp):
+                if self._append(group, request, token, lp, kind, rejected):
                     ended.append(group)
                     break  # finished: later tokens of a multi-token step are dropped
                 if request.error:
@@ -376,10 +373,10 @@ class LLMEngine:
                 self.groups.pop(group.request_id, None)
         return list(touched.values())
 
-    def _append(self, group: RequestGroup, request: Request, token: int, logprobs) -> bool:
+    def _append(self, group: RequestGroup, request: Request, token, lp, kind, rejected) -> bool:
         """Append one token and check stop conditions; True when the request finished."""
         self.num_generated_tokens += 1
-        status = group.append(request, token, logprobs, self.grammar)
+        status = group.append(request, token, lp, kind, rejected, self.grammar)
         if status is not None:
             self.scheduler.finish(request, status)
         return status is not None

@@ -78,7 +78,8 @@ class StepResult:
     sampled: list[tuple[Request, list[int]]] = field(default_factory=list)
     num_accepted: dict[Request, int] = field(default_factory=dict)  # drafts accepted
     logprobs: dict[Request, list[RawLogprobs]] = field(default_factory=dict)  # per emitted token
-    prompt_logprobs: dict[Request, list[RawLogprobs]] = field(default_factory=dict)
+    # The prompt positions this step computed for requests that ask: (first position, entries).
+    prompt_logprobs: dict[Request, tuple[int, list[RawLogprobs]]] = field(default_factory=dict)
     # Set by the engine once verdicts are in: each emitted token's kind (request.TOKEN_KINDS;
     # absent: one plain token), and the drafts the target rejected.
     kinds: dict[Request, str] = field(default_factory=dict)
@@ -98,10 +99,11 @@ class DeviceResults:
 
 @dataclass
 class PromptAsk:
-    """Prompt logprobs this step computes for a request: `targets`, the prompt tokens that its
-    positions predict, with the top `num_top`."""
+    """Prompt logprobs this step computes for a request: positions from `first`, predicting
+    `targets` (the prompt tokens after them), with the top `num_top`."""
 
     request: Request
+    first: int
     targets: list[int]
     num_top: int
 
@@ -150,7 +152,7 @@ class PendingStep:
                 result.logprobs.setdefault(member, []).append(entry)
         for ask, top in zip(self.prompt, host.prompt_logprobs, strict=True):
             picks = [(j, t, ask.num_top) for j, t in enumerate(ask.targets)]
-            result.prompt_logprobs[ask.request] = top.entries(picks)
+            result.prompt_logprobs[ask.request] = (ask.first, top.entries(picks))
         return result
 
 
@@ -409,8 +411,7 @@ class ModelRunner:
             request, n, start = item.request, len(item.token_ids), item.start
             num_top = request.params.prompt_logprobs
             rows_end = start_row + n
-            # After a preemption the prompt is recomputed: skip positions already recorded.
-            first = max(start, len(request.prompt_logprobs))
+            first = start  # (after a preemption the group keeps only positions it lacks)
             if num_top is not None and first < request.num_prompt_tokens:
                 # Position p predicts prompt token p + 1; the last prompt position predicts
                 # the first output token, which is not a prompt logprob.
@@ -422,5 +423,5 @@ class ModelRunner:
                     emitted = to_device(host_tensor(targets), self.device)
                     top = TopLogprobs.gather(lp, emitted, num_top)
                     pending.device.prompt_logprobs.append(top)
-                    pending.prompt.append(PromptAsk(request, targets, num_top))
+                    pending.prompt.append(PromptAsk(request, first, targets, num_top))
             start_row = rows_end

@@ -151,6 +151,20 @@ def decode_logprobs(decode: ExactDecoder, raw: dict[int, tuple[float, int]]) -> 
     }
 
 
+@dataclass
+class CompletionHistory:
+    """What one completion has emitted, kept for its outputs: each token's kind
+    (engine.request.TOKEN_KINDS), the drafts the target rejected (output position of the token
+    that replaced them, their ids), per position the logprobs asked for (decoded once) and
+    their sum, and, for the group's leader, the prompt's logprobs."""
+
+    token_kinds: list[str] = field(default_factory=list)
+    rejected_drafts: list[tuple[int, list[int]]] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)
+
+
 class RequestGroup:
     """What the user submitted: one prompt, n completions (one Request and one detokenizer
     each), and what of them a DELTA stream has already carried. The first request leads: it
@@ -178,6 +192,7 @@ class RequestGroup:
             )
             for r in requests
         ]
+        self.histories = [CompletionHistory() for _ in requests]
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
         self.sent: list[Sent] = [NOTHING_SENT] * len(requests)  # DELTA: per completion
         self.sent_prompt_logprobs = False
@@ -191,11 +206,18 @@ class RequestGroup:
         """The request whose own processing failed (Request.fail), if one did."""
         return next((r for r in self.requests if r.error), None)
 
-    def append(self, request: Request, token: int, logprobs, grammar) -> RequestStatus | None:
-        """Append a token to one of the group's completions (`request`): its grammar advances,
+    def append(
+        self, request: Request, token: int, logprobs, kind: str, rejected: list[int], grammar
+    ) -> RequestStatus | None:
+        """Append a token to one of the group's completions (`request`): its kind and, if it
+        replaced rejected drafts, those go into the completion's history, its grammar advances,
         its logprobs (raw, this position's) are decoded, its stop conditions are checked.
         Returns the finished status it reached, if any. A failure of the request's own grammar
         or detokenizer fails it (Request.fail) and returns None."""
+        history = self.histories[request.index]
+        if kind == "r":
+            history.rejected_drafts.append((request.num_output_tokens, rejected))
+        history.token_kinds.append(kind)
         request.append_token(token)
         if self.metrics.first_token_time is None:
             self.metrics.first_token_time = time.monotonic()
@@ -205,8 +227,8 @@ class RequestGroup:
             request.fail("grammar", exc)
             return None
         if logprobs is not None:  # decoded once here: outputs repeat them, step after step
-            request.logprobs.append(self.decode_logprobs(logprobs))
-            request.cumulative_logprob += logprobs[token][0]
+            history.logprobs.append(self.decode_logprobs(logprobs))
+            history.cumulative_logprob += logprobs[token][0]
         try:
             return check_stop(request, token, self.detokenizers[request.index], terminated)
         except Exception as exc:
@@ -215,6 +237,14 @@ class RequestGroup:
 
     def decode_logprobs(self, raw: dict[int, tuple[float, int]]) -> PositionLogprobs:
         return decode_logprobs(self._decode, raw)
+
+    def add_prompt_logprobs(self, first: int, raw: list[dict[int, tuple[float, int]]]) -> None:
+        """The prompt's logprobs at positions first, first + 1, ...: those not recorded yet (a
+        preempted request computes its prompt again)."""
+        recorded = self.histories[0].prompt_logprobs
+        if first > len(recorded):
+            raise RuntimeError(f"prompt logprobs from position {first}, {len(recorded)} recorded")
+        recorded.extend(map(self.decode_logprobs, raw[len(recorded) - first :]))
 
     def make_output(self, with_spec: bool) -> RequestOutput | None:
         """The group's output after a step that touched it, as its output_kind asks: everything
@@ -235,11 +265,12 @@ class RequestGroup:
                 if sent is None:
                     continue  # nothing new of this completion
                 self.sent[request.index] = sent
-            completions.append(completion(request, detok.text[chars:visible], tokens))
+            history = self.histories[request.index]
+            completions.append(completion(request, history, detok.text[chars:visible], tokens))
         leader, failed = self.leader, self.failed
         prompt_lps = None
         if leader.params.prompt_logprobs is not None and not self.sent_prompt_logprobs:
-            prompt_lps = [None, *leader.prompt_logprobs]
+            prompt_lps = [None, *self.histories[0].prompt_logprobs]
             self.sent_prompt_logprobs = kind == RequestOutputKind.DELTA
         metrics = self.metrics
         if finished and metrics.finished_time is None:
@@ -262,21 +293,23 @@ class RequestGroup:
         )
 
 
-def completion(request: Request, text: str, tokens: int) -> CompletionOutput:
+def completion(
+    request: Request, history: CompletionHistory, text: str, tokens: int
+) -> CompletionOutput:
     """One completion after its first `tokens` tokens (0: all of it), `text` the matching part
-    of its text. Lists are copies: later steps extend the request's own. rejected_drafts keep
+    of its text. Lists are copies: later steps extend the history's own. rejected_drafts keep
     their indices into the whole completion."""
     with_logprobs = request.params.logprobs is not None
     start = request.num_prompt_tokens + tokens
-    rejected = request.rejected_drafts
+    rejected = history.rejected_drafts
     return CompletionOutput(
         index=request.index,
         text=text,
         token_ids=request.token_ids[start:],
-        cumulative_logprob=request.cumulative_logprob if with_logprobs else None,
-        logprobs=request.logprobs[tokens:] if with_logprobs else None,
+        cumulative_logprob=history.cumulative_logprob if with_logprobs else None,
+        logprobs=history.logprobs[tokens:] if with_logprobs else None,
         finish_reason=FINISH_REASONS.get(request.status),
         stop_reason=request.stop_reason,
-        token_kinds="".join(request.token_kinds[tokens:]),
+        token_kinds="".join(history.token_kinds[tokens:]),
         rejected_drafts=[r for r in rejected if r[0] >= tokens] if tokens else list(rejected),
     )

@@ -110,19 +110,12 @@ class Request(TokenHistory):
         self._device_generator: torch.Generator | None = None  # the same seed elsewhere
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed + 1_000_003 * index)
-        self.logprobs: list = []  # per output token, when params.logprobs is set
-        self.prompt_logprobs: list = []  # per prompt position, when params.prompt_logprobs is set
-        self.cumulative_logprob = 0.0
         self.siblings: list[Request] = []  # n > 1: requests forked from this leader
         # Speculation (a step's drafts live on its SchedulerOutput): num_draft_computed, tokens
         # whose KV the draft model holds (it may lag the target); spec, its counters.
         self.num_draft_computed = 0
         self.spec = SpecStats()
         self.grammar: RequestGrammar | None = None  # set when params.structured_outputs is
-        # Where each output token came from (TOKEN_KINDS), and the drafts the target rejected:
-        # (output position of the token that replaced them, their ids).
-        self.token_kinds: list[str] = []
-        self.rejected_drafts: list[tuple[int, list[int]]] = []
         self.lora: LoRAAdapter | None = None  # the request's adapter (target model)
         self.draft_lora: LoRAAdapter | None = None  # the draft model's adapter, if any
         self.error: str | None = None  # set by fail(); the engine ends its group after the step

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-import engine.llm_engine as llm_engine
 import engine.outputs as outputs
 from engine import LLM, RequestOutputKind, SamplingParams
 from engine.llm_engine import LLMEngine
@@ -154,8 +153,7 @@ def test_logprobs_are_decoded_once_per_position(llm, monkeypatch):
         calls.extend(raw)
         return real(decode, raw)
 
-    for module in (llm_engine, outputs):  # prompt positions, output positions
-        monkeypatch.setattr(module, "decode_logprobs", counted)
+    monkeypatch.setattr(outputs, "decode_logprobs", counted)
     p = params(RequestOutputKind.CUMULATIVE, n=1, stop=None, max_tokens=24, ignore_eos=True)
     outs = run(engine, {"c": p})["c"]
     assert len(outs) > 5
