@@ -4,9 +4,21 @@ from __future__ import annotations
 
 import time
 
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from playground.async_engine import AsyncEngine
 from playground.launch import serving_in_thread as serving
+from playground.server import ServerState
 
-__all__ = ["serving", "wait_idle"]
+__all__ = ["API_KEY", "make_state", "serving", "wait_idle"]
+API_KEY = "test-key-123"
+
+
+def make_state(model: str, adapters=None, **config) -> ServerState:
+    engine = LLMEngine(EngineConfig(model=model, num_threads=1, **config))
+    for a in (adapters or {}).values():
+        engine.load_lora(a)
+    return ServerState(AsyncEngine(engine), model, dict(adapters or {}), api_key=API_KEY)
 
 
 def wait_idle(engine, timeout: float = 15.0) -> dict:
