@@ -222,11 +222,6 @@ class _Bound:
         return (self.launch.kernel.fn.__name__, str(self.specialization), str(self.options))
 
 
-def compile_launch(launch: Launch, arch: int) -> Compiled:
-    """Compile one launch for sm_<arch> as Triton's launcher would at run time."""
-    return _compile(_Bound.of(launch, arch))
-
-
 def _compile(b: _Bound) -> Compiled:
     from triton.compiler import ASTSource
 

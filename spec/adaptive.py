@@ -142,14 +142,11 @@ class AdaptiveSpeculation:
         mine = self.acceptance(own)
         return Candidate(mine, cap, catch_up_rows, self._reach(mine, cap))
 
-    def reach(self, own: Acceptance, cap: int) -> list[float]:
+    def _reach(self, mine: float, cap: int) -> list[float]:
         """P(drafts 1..j all land) for j = 1..cap. Acceptance is not the same at every depth
         (a copied span, once entered, tends to run on), so each position has its engine-wide
         rate, shifted in log-odds by how much better or worse this request does than the
         engine; positions never judged yet take the request's own rate."""
-        return self._reach(self.acceptance(own), cap)
-
-    def _reach(self, mine: float, cap: int) -> list[float]:
         engine = self.engine_rate
         shift = _logit(mine) - _logit(engine)
         out, p = [], 1.0

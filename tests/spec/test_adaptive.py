@@ -68,7 +68,7 @@ def test_reach_follows_the_acceptance_profile_by_depth():
         while accepted < 6 and rng.random() < (0.6 if accepted == 0 else 0.95):
             accepted += 1
         spec.observe_verification(own, 6, accepted)
-    reach = spec.reach(own, 6)
+    reach = spec.candidate(own, 6, 1).reach
     # Decayed counts are a window of ~50 verifications: estimates move by ~0.07 around the truth.
     for j, p in enumerate(reach, start=1):
         assert p == pytest.approx(0.6 * 0.95 ** (j - 1), abs=0.12)
@@ -79,7 +79,8 @@ def test_reach_follows_the_acceptance_profile_by_depth():
     poor = Acceptance()
     for _ in range(50):
         spec.observe_verification(poor, 6, 0)
-    assert spec.reach(poor, 3)[0] < 0.2 and spec.reach(poor, 3)[2] < spec.reach(poor, 3)[0]
+    reach = spec.candidate(poor, 3, 1).reach
+    assert reach[0] < 0.2 and reach[2] < reach[0]
 
 
 # ---- the planner ------------------------------------------------------------------------------
@@ -116,9 +117,9 @@ def test_early_rejections_do_not_switch_speculation_off_for_good():
     spec = planner(fixed=0.6, per_row=0.02, draft=(0.1, 0.004))
     own = Acceptance()
     spec.observe_verification(own, 6, 0)
-    assert spec.plan([Candidate(spec.acceptance(own), 6, reach=spec.reach(own, 6))]) == [0]
+    assert spec.plan([spec.candidate(own, 6, 1)]) == [0]
     idle_steps = 0
-    while not spec.plan([Candidate(spec.acceptance(own), 6, reach=spec.reach(own, 6))])[0]:
+    while not spec.plan([spec.candidate(own, 6, 1)])[0]:
         spec.idle(own)
         idle_steps += 1
         assert idle_steps < 60, "speculation never resumed"
