@@ -23,12 +23,24 @@ def _per_prompt(name: str, value, n: int) -> list:
     return values
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """The token ids of a conversation in the model's chat template, ready for the reply."""
+def chat_prompt_ids(
+    tokenizer,
+    messages: list[dict],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    add_special_tokens: bool = False,
+) -> list[int]:
+    """The token ids of a conversation in the model's chat template: ready for the reply, or
+    (continue_final_message) open at the end of the last message, to be continued."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; use generate()")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer.encode(text, add_special_tokens=False)
+    text = tokenizer.apply_chat_template(
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        tokenize=False,
+    )
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def _prompt_input(prompt: Prompt) -> str | list[int]:

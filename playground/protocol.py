@@ -12,6 +12,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from engine.llm import chat_prompt_ids
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -96,6 +97,16 @@ COMPLETION_FIELDS = {
     "best_of": (int,),
     "prompt_logprobs": (int,),
 }
+TOKENIZE_FIELDS = {  # vLLM's /tokenize: a prompt, or chat messages
+    "model": (str,),
+    "prompt": (str,),
+    "messages": (list,),
+    "add_special_tokens": (bool,),
+    "add_generation_prompt": (bool,),
+    "continue_final_message": (bool,),
+    "return_token_strs": (bool,),
+}
+DETOKENIZE_FIELDS = {"model": (str,), "tokens": (list,)}
 CHAT_FIELDS = {
     **_COMMON_FIELDS,
     "messages": (list,),
@@ -254,6 +265,50 @@ def check_messages(messages: list) -> list[dict]:
             )
         out.append({"role": m["role"], "content": content})
     return out
+
+
+def tokenize(body: dict, tokenizer, max_model_len: int) -> dict:
+    """vLLM's /tokenize answer: a prompt's ids (special tokens added unless
+    add_special_tokens is false), or chat messages' through the chat template (ready for the
+    reply unless add_generation_prompt is false; continue_final_message leaves the last
+    message open; no special tokens added unless asked)."""
+    if (body.get("prompt") is None) == (body.get("messages") is None):
+        raise APIError("give exactly one of prompt and messages", "prompt")
+    if body.get("prompt") is not None:
+        ids = tokenizer.encode(
+            body["prompt"], add_special_tokens=body.get("add_special_tokens", True)
+        )
+    else:
+        messages = check_messages(body["messages"])
+        generation, cont = (
+            body.get("add_generation_prompt", True),
+            body.get("continue_final_message"),
+        )
+        if generation and cont:
+            raise APIError(
+                "continue_final_message needs add_generation_prompt=false", "continue_final_message"
+            )
+        if not getattr(tokenizer, "chat_template", None):
+            raise APIError("this model has no chat template; tokenize a prompt", "messages")
+        special = body.get("add_special_tokens", False)
+        ids = chat_prompt_ids(tokenizer, messages, generation, bool(cont), special)
+    strs = tokenizer.convert_ids_to_tokens(ids) if body.get("return_token_strs") else None
+    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
+
+
+def detokenize_ids(body: dict, vocab_size: int) -> list[int]:
+    """/detokenize's token ids, each checked to be in the vocabulary."""
+    ids = body.get("tokens")
+    if ids is None:
+        raise APIError("tokens is required", "tokens")
+    bad = [
+        t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size
+    ]
+    if bad:
+        raise APIError(
+            f"tokens must be token ids in [0, {vocab_size}), got {bad[0]!r:.50}", "tokens"
+        )
+    return ids
 
 
 def completion_prompts(prompt) -> list[str | list[int]]:

@@ -7,6 +7,7 @@ Every request from every client goes into the same engine loop and is batched wi
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import time
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from engine.detokenizer import ExactDecoder
 from engine.llm import chat_prompt_ids
 from engine.outputs import RequestOutput
 from lora.adapter import LoRARequest
@@ -51,6 +53,11 @@ class ServerState:
             "parent": None if adapter is None else self.model_name,
             "max_model_len": self.max_model_len,
         }
+
+    @functools.cached_property
+    def decoder(self) -> ExactDecoder:
+        """Exact decoding, as the engine's outputs (no clean-up of spaces)."""
+        return ExactDecoder(self.tokenizer)
 
     @property
     def tokenizer(self):
@@ -106,6 +113,22 @@ def build_app(state: ServerState) -> FastAPI:
         cards = [state.model_card(state.model_name)]
         cards += [state.model_card(name) for name in state.adapters]
         return {"object": "list", "data": cards}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        body = protocol.check_fields(await _json(request), protocol.TOKENIZE_FIELDS)
+        state.lora_for(body.get("model"))  # an unknown model is a 404, as everywhere
+        return await asyncio.to_thread(
+            protocol.tokenize, body, state.tokenizer, state.max_model_len
+        )
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        body = protocol.check_fields(await _json(request), protocol.DETOKENIZE_FIELDS)
+        state.lora_for(body.get("model"))
+        ids = protocol.detokenize_ids(body, state.engine.engine.vocab_size)
+        text = await asyncio.to_thread(state.decoder, ids, skip_special_tokens=False)
+        return {"prompt": text}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -378,15 +401,19 @@ class BodySizeLimit:
         await send({"type": "http.response.body", "body": payload})
 
 
+_KEYED_PATHS = ("/v1", "/tokenize", "/detokenize")
+
+
 class APIKeyCheck:
-    """ASGI middleware: /v1 requests need `Authorization: Bearer <key>` (compared in constant
-    time). Pure ASGI, not BaseHTTPMiddleware, so the app still sees client disconnects."""
+    """ASGI middleware: /v1, /tokenize and /detokenize requests need `Authorization: Bearer
+    <key>` (compared in constant time). Pure ASGI, not BaseHTTPMiddleware, so the app still sees
+    client disconnects."""
 
     def __init__(self, app, key: str):
         self.app, self.key = app, key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"].startswith(_KEYED_PATHS):
             given = dict(scope.get("headers") or []).get(b"authorization", b"")
             token = given[7:] if given[:7].lower() == b"bearer " else b""
             if not hmac.compare_digest(token, self.key):
