@@ -74,7 +74,17 @@ _SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
     "logit_bias": (dict,),
     "num_speculative_tokens": (int,),
 }
+# OpenAI fields that do not apply to a local engine: accepted (their types checked) and ignored.
+IGNORED_FIELDS: dict[str, tuple[type, ...]] = {
+    "metadata": (dict,),  # stored-completion tags
+    "store": (bool,),  # OpenAI's storage of completions
+    "service_tier": (str,),
+    "safety_identifier": (str,),
+    "prompt_cache_key": (str,),  # our prefix cache needs no key (cache_salt isolates)
+    "reasoning_effort": (str,),  # no reasoning models here
+}
 _COMMON_FIELDS: dict[str, tuple[type, ...]] = {
+    **IGNORED_FIELDS,
     "model": (str,),
     "stream": (bool,),
     "stream_options": (dict,),

@@ -305,6 +305,22 @@ def test_error_table(smol, endpoint, fields, status, param, words):
     assert snap["num_free_blocks"] == snap["num_blocks"]
 
 
+def test_openai_fields_that_do_not_apply_are_accepted_and_ignored(client):
+    """metadata, store, service_tier, ... change nothing; a field nobody defines stays a 400
+    (the error table's `frobnicate`), and an ignored field of the wrong type is one too."""
+    args = dict(model=MODEL, messages=CHAT, max_tokens=8, temperature=0)
+    plain = client.chat.completions.create(**args)
+    extra = dict(metadata={"run": "7"}, store=False, service_tier="auto", reasoning_effort="low")
+    extra |= dict(safety_identifier="u-1", prompt_cache_key="k")
+    ignored = client.chat.completions.create(**args, **extra)
+    assert ignored.choices[0].message.content == plain.choices[0].message.content
+    args = dict(model=MODEL, prompt="One, two,", max_tokens=4, temperature=0)
+    completion = client.completions.create(**args, extra_body=extra)
+    assert completion.choices[0].text == client.completions.create(**args).choices[0].text
+    with pytest.raises(openai.BadRequestError, match="metadata must be an object"):
+        client.completions.create(**args, extra_body={"metadata": "x"})
+
+
 def tokenize(url: str, path: str, body: dict) -> httpx.Response:
     return httpx.post(url + path, json=body, headers={"Authorization": f"Bearer {API_KEY}"})
 
