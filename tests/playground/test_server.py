@@ -10,55 +10,11 @@ import jsonschema
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from web import API_KEY, make_state, serving, wait_idle
+from web import API_KEY, wait_idle
 
-from engine import LLM, SamplingParams
-from playground.demo_adapters import write_demo_adapters
-from playground.server import build_app
+from engine import SamplingParams
 
 MODEL = "smollm2-135m-instruct"
-
-
-@pytest.fixture(scope="module")
-def demo_adapters():
-    return write_demo_adapters(MODEL)
-
-
-@pytest.fixture(scope="module")
-def smol(demo_adapters):
-    """SmolLM2 with n-gram speculation and two adapters, behind an API key. Exact weights:
-    tokens are compared with offline decoding without speculation (quantized weights may
-    resolve a bf16 near-tie differently in a verification step)."""
-    state = make_state(
-        MODEL,
-        demo_adapters,
-        quantization=None,
-        num_kv_blocks=512,
-        speculative_method="ngram",
-        enable_lora=True,
-        max_model_len=2048,
-    )
-    with serving(build_app(state)) as url:
-        yield url, state
-    state.engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def client(smol):
-    return openai.OpenAI(base_url=smol[0] + "/v1", api_key=API_KEY, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def offline(demo_adapters):
-    """The same model offline, without speculation: the reference outputs."""
-    return LLM(
-        MODEL,
-        quantization=None,
-        num_kv_blocks=512,
-        enable_lora=True,
-        num_threads=1,
-        max_model_len=2048,
-    )
 
 
 CHAT = [{"role": "user", "content": "Name three colours."}]
@@ -319,79 +275,6 @@ def test_openai_fields_that_do_not_apply_are_accepted_and_ignored(client):
     assert completion.choices[0].text == client.completions.create(**args).choices[0].text
     with pytest.raises(openai.BadRequestError, match="metadata must be an object"):
         client.completions.create(**args, extra_body={"metadata": "x"})
-
-
-def tokenize(url: str, path: str, body: dict) -> httpx.Response:
-    return httpx.post(url + path, json=body, headers={"Authorization": f"Bearer {API_KEY}"})
-
-
-def test_tokenize_and_detokenize_prompts(smol, offline):
-    """vLLM's /tokenize and /detokenize: a prompt's ids equal the tokenizer's, token strings on
-    request, and the ids decode back to the text exactly."""
-    url, _ = smol
-    text = "Paged attention keeps  KV blocks in a pool, 3x faster!"
-    tokenizer = offline.tokenizer
-    plain = tokenize(url, "/tokenize", {"model": MODEL, "prompt": text}).json()
-    want = tokenizer.encode(text)
-    assert plain == {"count": len(want), "max_model_len": 2048, "tokens": want, "token_strs": None}
-    r = tokenize(url, "/tokenize", {"prompt": text, "return_token_strs": True}).json()
-    assert r["token_strs"] == tokenizer.convert_ids_to_tokens(want)
-    back = tokenize(url, "/detokenize", {"model": MODEL, "tokens": want}).json()
-    assert back == {"prompt": text}
-    # The adapters' names are models too; the tokenizer is the base model's.
-    assert tokenize(url, "/tokenize", {"model": "demo-lora-a", "prompt": text}).json() == plain
-
-
-def test_tokenize_chat_messages(smol, offline):
-    """Messages through the chat template: ready for the reply (the chat endpoint's prompt), or
-    without the generation prompt, or with the last message left open to be continued."""
-    url, _ = smol
-    reply = tokenize(url, "/tokenize", {"messages": CHAT}).json()["tokens"]
-    assert reply == offline.apply_chat_template(CHAT)
-    bare = {"messages": CHAT, "add_generation_prompt": False}
-    without = tokenize(url, "/tokenize", bare).json()["tokens"]
-    assert len(without) < len(reply) and reply[: len(without)] == without
-    partial = [*CHAT, {"role": "assistant", "content": "Red, green and"}]
-    body = {"messages": partial, "add_generation_prompt": False, "continue_final_message": True}
-    ids = tokenize(url, "/tokenize", body).json()["tokens"]
-    assert offline.tokenizer.decode(ids).endswith("Red, green and")
-
-
-TOKENIZE_ERRORS = [
-    ("/tokenize", {}, 400, "prompt", "exactly one of prompt and messages"),
-    ("/tokenize", {"prompt": "a", "messages": CHAT}, 400, "prompt", "exactly one"),
-    ("/tokenize", {"prompt": 5}, 400, "prompt", "must be a string"),
-    ("/tokenize", {"messages": [{"role": "wizard"}]}, 400, "messages", "role"),
-    (
-        "/tokenize",
-        {"messages": CHAT, "continue_final_message": True},
-        400,
-        "continue_final_message",
-        "add_generation_prompt=false",
-    ),
-    ("/tokenize", {"prompt": "a", "model": "nope"}, 404, "model", "nope"),
-    ("/tokenize", {"prompt": "a", "frobnicate": 1}, 400, "frobnicate", "frobnicate"),
-    ("/detokenize", {}, 400, "tokens", "required"),
-    ("/detokenize", {"tokens": "abc"}, 400, "tokens", "must be an array"),
-    ("/detokenize", {"tokens": [1, -1]}, 400, "tokens", "-1"),
-    ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens", str(10**9)),
-    ("/detokenize", {"tokens": [True]}, 400, "tokens", "True"),
-]
-
-
-@pytest.mark.parametrize(("path", "body", "status", "param", "words"), TOKENIZE_ERRORS)
-def test_tokenize_errors_name_the_parameter(smol, path, body, status, param, words):
-    url, _ = smol
-    r = tokenize(url, path, body)
-    assert r.status_code == status, r.text
-    error = r.json()["error"]
-    assert error["param"] == param and words in error["message"]
-
-
-def test_tokenize_needs_the_api_key(smol):
-    url, _ = smol
-    r = httpx.post(url + "/tokenize", json={"prompt": "hi"})
-    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
 
 
 def test_errors_leave_engine_serving(client):

@@ -1,0 +1,83 @@
+"""vLLM's /tokenize and /detokenize on the SmolLM2 server (tests/playground/conftest.py)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from web import API_KEY
+
+MODEL = "smollm2-135m-instruct"
+CHAT = [{"role": "user", "content": "Name three colours."}]
+
+
+def tokenize(url: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(url + path, json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+
+
+def test_tokenize_and_detokenize_prompts(smol, offline):
+    """vLLM's /tokenize and /detokenize: a prompt's ids equal the tokenizer's, token strings on
+    request, and the ids decode back to the text exactly."""
+    url, _ = smol
+    text = "Paged attention keeps  KV blocks in a pool, 3x faster!"
+    tokenizer = offline.tokenizer
+    plain = tokenize(url, "/tokenize", {"model": MODEL, "prompt": text}).json()
+    want = tokenizer.encode(text)
+    assert plain == {"count": len(want), "max_model_len": 2048, "tokens": want, "token_strs": None}
+    r = tokenize(url, "/tokenize", {"prompt": text, "return_token_strs": True}).json()
+    assert r["token_strs"] == tokenizer.convert_ids_to_tokens(want)
+    back = tokenize(url, "/detokenize", {"model": MODEL, "tokens": want}).json()
+    assert back == {"prompt": text}
+    # The adapters' names are models too; the tokenizer is the base model's.
+    assert tokenize(url, "/tokenize", {"model": "demo-lora-a", "prompt": text}).json() == plain
+
+
+def test_tokenize_chat_messages(smol, offline):
+    """Messages through the chat template: ready for the reply (the chat endpoint's prompt), or
+    without the generation prompt, or with the last message left open to be continued."""
+    url, _ = smol
+    reply = tokenize(url, "/tokenize", {"messages": CHAT}).json()["tokens"]
+    assert reply == offline.apply_chat_template(CHAT)
+    bare = {"messages": CHAT, "add_generation_prompt": False}
+    without = tokenize(url, "/tokenize", bare).json()["tokens"]
+    assert len(without) < len(reply) and reply[: len(without)] == without
+    partial = [*CHAT, {"role": "assistant", "content": "Red, green and"}]
+    body = {"messages": partial, "add_generation_prompt": False, "continue_final_message": True}
+    ids = tokenize(url, "/tokenize", body).json()["tokens"]
+    assert offline.tokenizer.decode(ids).endswith("Red, green and")
+
+
+TOKENIZE_ERRORS = [
+    ("/tokenize", {}, 400, "prompt", "exactly one of prompt and messages"),
+    ("/tokenize", {"prompt": "a", "messages": CHAT}, 400, "prompt", "exactly one"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt", "must be a string"),
+    ("/tokenize", {"messages": [{"role": "wizard"}]}, 400, "messages", "role"),
+    (
+        "/tokenize",
+        {"messages": CHAT, "continue_final_message": True},
+        400,
+        "continue_final_message",
+        "add_generation_prompt=false",
+    ),
+    ("/tokenize", {"prompt": "a", "model": "nope"}, 404, "model", "nope"),
+    ("/tokenize", {"prompt": "a", "frobnicate": 1}, 400, "frobnicate", "frobnicate"),
+    ("/detokenize", {}, 400, "tokens", "required"),
+    ("/detokenize", {"tokens": "abc"}, 400, "tokens", "must be an array"),
+    ("/detokenize", {"tokens": [1, -1]}, 400, "tokens", "-1"),
+    ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens", str(10**9)),
+    ("/detokenize", {"tokens": [True]}, 400, "tokens", "True"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param", "words"), TOKENIZE_ERRORS)
+def test_tokenize_errors_name_the_parameter(smol, path, body, status, param, words):
+    url, _ = smol
+    r = tokenize(url, path, body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"]
+
+
+def test_tokenize_needs_the_api_key(smol):
+    url, _ = smol
+    r = httpx.post(url + "/tokenize", json={"prompt": "hi"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
