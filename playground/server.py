@@ -108,6 +108,11 @@ def build_app(state: ServerState) -> FastAPI:
         body = await asyncio.to_thread(state.metrics.exposition)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.get("/v1/snapshot")
+    async def snapshot() -> dict:
+        """What the playground draws: blocks, tables, sharing, speculation, adapters."""
+        return await asyncio.to_thread(state.engine.snapshot)
+
     @app.get("/v1/models")
     async def models() -> dict:
         cards = [state.model_card(state.model_name)]

@@ -277,6 +277,20 @@ def test_openai_fields_that_do_not_apply_are_accepted_and_ignored(client):
         client.completions.create(**args, extra_body={"metadata": "x"})
 
 
+def test_snapshot_over_http_is_the_engines(smol, client):
+    """GET /v1/snapshot: the playground's view of the engine as JSON, behind the API key."""
+    url, state = smol
+    client.completions.create(model=MODEL, prompt="One, two,", max_tokens=4, temperature=0)
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    served = httpx.get(url + "/v1/snapshot", headers=headers).json()
+    mine = state.engine.snapshot()
+    assert served["num_blocks"] == mine["num_blocks"] and served["block_size"] == 16
+    assert served["num_generated_tokens"] == mine["num_generated_tokens"] > 0
+    assert served["speculation"]["method"] == "ngram"
+    assert set(served) == set(mine) and served["num_free_blocks"] == served["num_blocks"]
+    assert httpx.get(url + "/v1/snapshot").status_code == 401
+
+
 def test_errors_leave_engine_serving(client):
     r = client.completions.create(model=MODEL, prompt="2 + 2 =", max_tokens=3, temperature=0)
     assert r.choices[0].text
