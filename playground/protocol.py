@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from engine.llm import chat_prompt_ids
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.spec_stats import SpecStats
 
 
 class APIError(Exception):
@@ -96,6 +97,7 @@ _COMMON_FIELDS: dict[str, tuple[type, ...]] = {
     "guided_grammar": (str,),
     "guided_choice": (list,),
     "cache_salt": (str,),
+    "return_spec_stats": (bool,),  # ours: the request's speculation counters in the response
     **_SAMPLING_FIELDS,
 }
 COMPLETION_FIELDS = {
@@ -436,8 +438,17 @@ def choice(
     return out
 
 
+def spec_stats(outs: list[RequestOutput]) -> dict:
+    """The requests' speculation counters summed (drafted, accepted, forced, by position)."""
+    return SpecStats.merged(o.metrics.spec for o in outs if o.metrics and o.metrics.spec).as_dict()
+
+
 def final_response(
-    ctx: ResponseContext, outs: list[RequestOutput], n: int, logprobs: int | None
+    ctx: ResponseContext,
+    outs: list[RequestOutput],
+    n: int,
+    logprobs: int | None,
+    with_spec_stats: bool = False,
 ) -> dict:
     choices = []
     prompt_tokens = completion_tokens = cached = 0
@@ -463,4 +474,6 @@ def final_response(
                 ]
     body = ctx.envelope(choices)
     body["usage"] = usage(prompt_tokens, completion_tokens, cached)
+    if with_spec_stats:
+        body["speculation"] = spec_stats(outs)
     return body

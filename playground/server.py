@@ -214,7 +214,8 @@ async def _serve(
     _check_max_tokens(state, ids, params, what)
     streams = await _add_all(state, ctx, ids, params, lora, body, what)
     if body.get("stream"):
-        events = _sse(ctx, streams, params.n, logprobs, protocol.include_usage(body))
+        tail = (protocol.include_usage(body), bool(body.get("return_spec_stats")))
+        events = _sse(ctx, streams, params.n, logprobs, *tail)
         return StreamingResponse(events, media_type="text/event-stream")
     finals = await _collect_unless_disconnected(request, streams)
     if finals is None:
@@ -222,7 +223,8 @@ async def _serve(
     failed = next((f for f in finals if f.error), None)
     if failed:  # its own processing failed; the engine and other requests are fine
         raise request_failed(failed)
-    return JSONResponse(protocol.final_response(ctx, finals, params.n, logprobs))
+    spec = bool(body.get("return_spec_stats"))
+    return JSONResponse(protocol.final_response(ctx, finals, params.n, logprobs, spec))
 
 
 def request_failed(out: RequestOutput) -> APIError:
@@ -317,9 +319,15 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
 
 
 async def _sse(
-    ctx: ResponseContext, streams: list[RequestStream], n: int, logprobs, with_usage: bool
+    ctx: ResponseContext,
+    streams: list[RequestStream],
+    n: int,
+    logprobs,
+    with_usage: bool,
+    with_spec_stats: bool = False,
 ) -> AsyncIterator[str]:
-    """Server-sent events: a chunk per engine output with what is new, a usage chunk, [DONE].
+    """Server-sent events: a chunk per engine output with what is new, a last chunk with the
+    usage and (when asked) the speculation counters, [DONE].
     A disconnect cancels this generator, and closing the merged streams aborts the requests."""
 
     def event(payload: dict) -> str:
@@ -338,11 +346,12 @@ async def _sse(
         yield event(ctx.envelope(first, chunk=True))
     prompt_tokens: dict[int, int] = {}
     completion_tokens: dict[int, int] = {}
+    last: dict[int, RequestOutput] = {}  # its metrics are the request's, up to date
     try:
         async for i, out in _merge(streams):  # each output holds only what is new
             if out.error:
                 raise request_failed(out)
-            prompt_tokens[i] = len(out.prompt_token_ids)
+            prompt_tokens[i], last[i] = len(out.prompt_token_ids), out
             choices = []
             for c in out.outputs:
                 index = i * n + c.index
@@ -356,9 +365,13 @@ async def _sse(
         yield event(exc.body())
         yield "data: [DONE]\n\n"
         return
-    if with_usage:
+    if with_usage or with_spec_stats:
         tail = ctx.envelope([], chunk=True)
-        tail["usage"] = protocol.usage(sum(prompt_tokens.values()), sum(completion_tokens.values()))
+        if with_usage:
+            tokens = sum(prompt_tokens.values()), sum(completion_tokens.values())
+            tail["usage"] = protocol.usage(*tokens)
+        if with_spec_stats:
+            tail["speculation"] = protocol.spec_stats(list(last.values()))
         yield event(tail)
     yield "data: [DONE]\n\n"
 

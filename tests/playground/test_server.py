@@ -277,6 +277,32 @@ def test_openai_fields_that_do_not_apply_are_accepted_and_ignored(client):
         client.completions.create(**args, extra_body={"metadata": "x"})
 
 
+SPEC_COUNTS = ("num_steps", "num_drafts", "num_accepted", "drafted_at", "accepted_at")
+
+
+def test_speculation_counters_on_request(client):
+    """Off unless asked for; asked, the request's own counters (the server speculates with
+    n-gram lookup): drafted and accepted by position, consistent with the tokens emitted, and
+    the same in the last streamed chunk as in the whole response (fixed k, greedy)."""
+    prompt = "one two three four, one two three four, one two three four, one two"
+    args = dict(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
+    extra = {"num_speculative_tokens": 3, "ignore_eos": True}
+    plain = client.completions.create(**args, extra_body=extra)
+    assert "speculation" not in plain.model_extra
+    asked = extra | {"return_spec_stats": True}
+    whole = client.completions.create(**args, extra_body=asked)
+    spec = whole.model_extra["speculation"]
+    assert whole.choices[0].text == plain.choices[0].text
+    assert spec["num_drafts"] > 0 and 0 < spec["num_accepted"] <= spec["num_drafts"]
+    assert sum(spec["drafted_at"]) == spec["num_drafts"]
+    assert sum(spec["accepted_at"]) == spec["num_accepted"]
+    # The prefill's token, then per decode step one token plus its accepted drafts.
+    assert whole.usage.completion_tokens >= 1 + spec["num_steps"] + spec["num_accepted"]
+    chunks = list(client.completions.create(**args, stream=True, extra_body=asked))
+    tail = chunks[-1].model_extra["speculation"]
+    assert {k: tail[k] for k in SPEC_COUNTS} == {k: spec[k] for k in SPEC_COUNTS}
+
+
 def test_snapshot_over_http_is_the_engines(smol, client):
     """GET /v1/snapshot: the playground's view of the engine as JSON, behind the API key."""
     url, state = smol
