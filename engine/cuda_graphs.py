@@ -27,7 +27,7 @@ import torch
 
 from engine.attention import AttentionMetadata, VarlenBatch
 from engine.device import host_tensor, padded_rows, staged, to_device
-from engine.inputs import fill_pending, flat_inputs, pending_inputs
+from engine.inputs import fill_pending, flat_inputs, pending_inputs, real_rows
 
 if TYPE_CHECKING:
     from engine.inputs import ForwardItem, SampledTokens
@@ -119,9 +119,9 @@ class GraphRunner:
         seq_lens = host_tensor(flat.seq_lens, torch.int32)
         self.seq_lens[:num_reqs].copy_(staged(seq_lens, device), **copy)
         self.block_tables[:num_reqs, :width].copy_(staged(block_tables, device), **copy)
-        if len(flat.rows) == len(items) * q:
+        if all(n == q for n in flat.query_lens):
             return None
-        return host_tensor(flat.rows)
+        return host_tensor(real_rows(flat.query_lens, q))
 
     def _run(self, num_reqs: int, q: int) -> torch.Tensor:  # [num_reqs * q, hidden]
         num_tokens = num_reqs * q

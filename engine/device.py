@@ -62,13 +62,6 @@ def map_tensors(obj, fn):
     return obj
 
 
-def tensors_in(obj) -> list[torch.Tensor]:
-    """Every tensor map_tensors would visit, in its order."""
-    found = []
-    map_tensors(obj, found.append)
-    return found
-
-
 class HostCopy:
     """A CPU copy of obj (tensors, or lists, tuples and dataclasses holding them, as
     map_tensors walks them), queued now behind the work that computes its tensors; wait()
@@ -76,9 +69,15 @@ class HostCopy:
     does not delay them."""
 
     def __init__(self, obj):
-        self.copy = map_tensors(obj, lambda t: t.to("cpu", non_blocking=True))
+        devices = set()
+
+        def copy(t: torch.Tensor) -> torch.Tensor:
+            devices.add(t.device)
+            return t.to("cpu", non_blocking=True)
+
+        self.copy = map_tensors(obj, copy)
         self.events = []
-        for device in {t.device for t in tensors_in(obj) if t.device.type == "cuda"}:
+        for device in {d for d in devices if d.type == "cuda"}:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))
             self.events.append(event)

@@ -70,7 +70,6 @@ class FlatInputs:
     seq_lens: list[int]
     query_lens: list[int]
     tables: list[list[int]]
-    rows: list[int]  # the rows of real tokens
 
 
 def flat_inputs(
@@ -87,7 +86,7 @@ def flat_inputs(
     from them; a padding request has q keys in the null block."""
     num_reqs = num_reqs or len(items)
     size = num_reqs * q if q else sum(len(it.token_ids) for it in items)
-    out = FlatInputs([0] * size, [0] * size, [-1] * size, [q or 0] * num_reqs, [], [], [])
+    out = FlatInputs([0] * size, [0] * size, [-1] * size, [q or 0] * num_reqs, [], [])
     offset = 0
     for b, item in enumerate(items):
         table = tables[item.request]
@@ -96,9 +95,16 @@ def flat_inputs(
         out.input_ids[base : base + n] = item.token_ids
         out.positions[base : base + n] = range(start, start + n)
         out.slots[base : base + n] = slot_ids(table, start, n, block_size)
-        out.rows.extend(range(base, base + n))
         out.seq_lens[b] = start + (q or n)
         out.query_lens.append(n)
         out.tables.append(table)
         offset += n
     return out
+
+
+def real_rows(query_lens: list[int], q: int | None = None) -> list[int]:
+    """The rows that hold real tokens: every row back to back, or with q (padded, as
+    flat_inputs lays them out) the first query_lens[b] of request b's q rows."""
+    if q is None:
+        return list(range(sum(query_lens)))
+    return [b * q + j for b, n in enumerate(query_lens) for j in range(n)]

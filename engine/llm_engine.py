@@ -48,7 +48,7 @@ class LLMEngine:
             torch.cuda.set_device(device)
         models = load_engine_models(config)
         self.tokenizer, self.eos_token_ids = models.tokenizer, models.eos_token_ids
-        self._decode = ExactDecoder(self.tokenizer)
+        self.decoder = ExactDecoder(self.tokenizer)  # exact decoding for every output
         self.model_config = cfg = models.cfg
         self.max_model_len = min(
             config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
@@ -172,7 +172,7 @@ class LLMEngine:
             r.lora, r.draft_lora = adapter, draft_adapter
             if compiled is not None:
                 self.grammar.attach(r, compiled, params.structured_outputs.kind)
-        group = RequestGroup(request_id, text, requests, self._decode)
+        group = RequestGroup(request_id, text, requests, self.decoder)
         self.groups[request_id] = group
         self.scheduler.add(group.leader)
 
@@ -391,7 +391,5 @@ def _load(adapters: AdapterRegistry | None, lora_request: LoRARequest | None) ->
         return None
     try:
         return adapters.load(lora_request)
-    except ParamError:
-        raise
-    except ValueError as exc:
+    except ValueError as exc:  # the registry's and the adapter loader's own errors
         raise ParamError(adapters.param, str(exc)) from None

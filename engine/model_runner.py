@@ -120,7 +120,8 @@ class PendingStep:
     fast: list[bool] = field(default_factory=list)
     slow: list[int] = field(default_factory=list)  # members verified, in verification order
     verify: PendingVerify | None = None
-    logprob_spans: list[tuple[int, VerifyRow]] = field(default_factory=list)  # (slow k, its span)
+    # Verified members that asked for logprobs: (member index, its span within the slow rows).
+    logprob_spans: list[tuple[int, VerifyRow]] = field(default_factory=list)
     prompt: list[PromptAsk] = field(default_factory=list)
 
     def resolve(self, host: DeviceResults) -> StepResult:
@@ -300,9 +301,9 @@ class ModelRunner:
 
     def _sample(self, hidden: torch.Tensor, verify_rows) -> PendingStep:
         """verify_rows: (request, row of its last real token, its drafts, their q or None); the
-        drafts' rows follow the last real token's. Queues
-        the sampling (and verification) of every request that samples; keeps their tokens on
-        the device when asked (keep_sampled)."""
+        drafts' rows follow the last real token's. Queues the sampling (and verification) of
+        every request that samples; keeps their tokens on the device when asked
+        (keep_sampled)."""
         rows: list[int] = []
         pending = PendingStep(DeviceResults())
         spans, members = pending.spans, pending.members
@@ -411,17 +412,18 @@ class ModelRunner:
             request, n, start = item.request, len(item.token_ids), item.start
             num_top = request.params.prompt_logprobs
             rows_end = start_row + n
-            first = start  # (after a preemption the group keeps only positions it lacks)
-            if num_top is not None and first < request.num_prompt_tokens:
+            # (After a preemption the prompt is computed again; the group keeps only the
+            # positions it lacks.)
+            if num_top is not None and start < request.num_prompt_tokens:
                 # Position p predicts prompt token p + 1; the last prompt position predicts
                 # the first output token, which is not a prompt logprob.
                 last = min(start + n, request.num_prompt_tokens - 1)
-                if last > first:
-                    h = hidden[start_row + first - start : start_row + last - start]
-                    targets = request.token_ids[first + 1 : last + 1]
+                if last > start:
+                    h = hidden[start_row : start_row + last - start]
+                    targets = request.token_ids[start + 1 : last + 1]
                     lp = torch.log_softmax(self.device_logits(h, None).float(), dim=-1)
                     emitted = to_device(host_tensor(targets), self.device)
                     top = TopLogprobs.gather(lp, emitted, num_top)
                     pending.device.prompt_logprobs.append(top)
-                    pending.prompt.append(PromptAsk(request, first, targets, num_top))
+                    pending.prompt.append(PromptAsk(request, start, targets, num_top))
             start_row = rows_end

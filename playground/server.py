@@ -7,7 +7,6 @@ Every request from every client goes into the same engine loop and is batched wi
 from __future__ import annotations
 
 import asyncio
-import functools
 import hmac
 import json
 import time
@@ -18,7 +17,6 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from engine.detokenizer import ExactDecoder
 from engine.llm import chat_prompt_ids
 from engine.outputs import RequestOutput
 from lora.adapter import LoRARequest
@@ -53,11 +51,6 @@ class ServerState:
             "parent": None if adapter is None else self.model_name,
             "max_model_len": self.max_model_len,
         }
-
-    @functools.cached_property
-    def decoder(self) -> ExactDecoder:
-        """Exact decoding, as the engine's outputs (no clean-up of spaces)."""
-        return ExactDecoder(self.tokenizer)
 
     @property
     def tokenizer(self):
@@ -132,7 +125,8 @@ def build_app(state: ServerState) -> FastAPI:
         body = protocol.check_fields(await _json(request), protocol.DETOKENIZE_FIELDS)
         state.lora_for(body.get("model"))
         ids = protocol.detokenize_ids(body, state.engine.engine.vocab_size)
-        text = await asyncio.to_thread(state.decoder, ids, skip_special_tokens=False)
+        decoder = state.engine.engine.decoder  # as the engine's outputs: no space clean-up
+        text = await asyncio.to_thread(decoder, ids, skip_special_tokens=False)
         return {"prompt": text}
 
     @app.post("/v1/completions")

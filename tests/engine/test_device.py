@@ -176,13 +176,13 @@ def test_sampling_brings_back_tokens_not_logits(tiny_llama, device, monkeypatch)
     what it emits without (its generator set back after each walk). float32, so plain and
     verification steps agree up to rounding on CUDA too."""
     from engine import model_runner
-    from engine.device import tensors_in
+    from engine.device import map_tensors
 
     widest = []
 
     class WatchedCopy(model_runner.HostCopy):
         def __init__(self, results):
-            widest.extend(t.shape[-1] for t in tensors_in(results) if t.dim() > 1)
+            map_tensors(results, lambda t: widest.append(t.shape[-1]) if t.dim() > 1 else None)
             super().__init__(results)
 
     monkeypatch.setattr(model_runner, "HostCopy", WatchedCopy)

@@ -7,7 +7,7 @@ from blocks import make_request
 
 from engine import LLM, SamplingParams
 from engine.device import HostCopy
-from engine.inputs import ForwardItem, flat_inputs
+from engine.inputs import ForwardItem, flat_inputs, real_rows
 
 BS = 4
 
@@ -26,7 +26,7 @@ def test_flat_inputs_back_to_back():
     assert flat.positions == [4, 5, 1]
     assert flat.slots == [5 * BS + 0, 5 * BS + 1, 2 * BS + 1]
     assert flat.seq_lens == [6, 2] and flat.query_lens == [2, 1]
-    assert flat.tables == [[3, 5], [2]] and flat.rows == [0, 1, 2]
+    assert flat.tables == [[3, 5], [2]] and real_rows(flat.query_lens) == [0, 1, 2]
 
 
 def test_flat_inputs_padded_for_static_shapes():
@@ -39,7 +39,7 @@ def test_flat_inputs_padded_for_static_shapes():
     assert flat.positions == [4, 5, 0, 1, 0, 0, 0, 0, 0]
     assert flat.slots == [20, 21, -1, 9, -1, -1, -1, -1, -1]
     assert flat.seq_lens == [4 + 3, 1 + 3, 3]
-    assert flat.rows == [0, 1, 3]
+    assert real_rows(flat.query_lens, 3) == [0, 1, 3]
 
 
 def test_a_launched_step_waits_for_the_device_once(tiny_llama, monkeypatch):
