@@ -37,6 +37,10 @@ def test_tokenize_chat_messages(smol, offline):
     url, _ = smol
     reply = tokenize(url, "/tokenize", {"messages": CHAT}).json()["tokens"]
     assert reply == offline.apply_chat_template(CHAT)
+    # Detokenized exactly, the template's special tokens kept.
+    text = tokenize(url, "/detokenize", {"tokens": reply}).json()["prompt"]
+    assert text == offline.tokenizer.decode(reply, skip_special_tokens=False)
+    assert text.startswith("<|im_start|>") and "Name three colours." in text
     bare = {"messages": CHAT, "add_generation_prompt": False}
     without = tokenize(url, "/tokenize", bare).json()["tokens"]
     assert len(without) < len(reply) and reply[: len(without)] == without
@@ -79,5 +83,6 @@ def test_tokenize_errors_name_the_parameter(smol, path, body, status, param, wor
 
 def test_tokenize_needs_the_api_key(smol):
     url, _ = smol
-    r = httpx.post(url + "/tokenize", json={"prompt": "hi"})
-    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):
+        r = httpx.post(url + path, json=body)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
