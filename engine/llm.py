@@ -11,6 +11,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.tools import Tools, parse_tool_calls, render_messages, template_knows_tools
 from lora.adapter import LoRARequest
 
 Prompt = str | list[int] | dict
@@ -29,13 +30,17 @@ def chat_prompt_ids(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     add_special_tokens: bool = False,
+    tools: list[dict] | None = None,
 ) -> list[int]:
     """The token ids of a conversation in the model's chat template: ready for the reply, or
-    (continue_final_message) open at the end of the last message, to be continued."""
+    (continue_final_message) open at the end of the last message, to be continued. tools:
+    the function tools the prompt shows (engine.tools.render_messages says how)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; use generate()")
+    knows_tools = template_knows_tools(tokenizer)
     text = tokenizer.apply_chat_template(
-        messages,
+        render_messages(messages, tools, knows_tools),
+        tools=tools if knows_tools else None,
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
         tokenize=False,
@@ -163,13 +168,28 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
+        parallel_tool_calls: bool | None = None,
     ) -> list[RequestOutput]:
+        """tools, tool_choice, parallel_tool_calls: OpenAI's (engine.tools); each completion's
+        calls are then in its `tool_calls` (its text stays what the model wrote)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(c) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        spec = Tools.parse(tools, tool_choice, parallel_tool_calls)
+        shown = spec.in_prompt if spec else None
+        prompts = [self.apply_chat_template(c, tools=shown) for c in conversations]
+        if spec is not None:
+            _, params = self._normalize(prompts, sampling_params)
+            sampling_params = [spec.apply(p) for p in params]
+        outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        for completion in (c for out in outs for c in out.outputs) if spec else ():
+            completion.tool_calls = parse_tool_calls(completion.text)[1]
+        return outs
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        return chat_prompt_ids(self.tokenizer, messages)
+    def apply_chat_template(
+        self, messages: list[dict], tools: list[dict] | None = None
+    ) -> list[int]:
+        return chat_prompt_ids(self.tokenizer, messages, tools=tools)
 
     def abort(self, request_id: str | list[str]) -> None:
         self.engine.abort_request(request_id)

@@ -37,6 +37,7 @@ class CompletionOutput:
     token_kinds: str = ""
     # Drafts the target rejected: (index in token_ids of the token that replaced them, ids).
     rejected_drafts: list[tuple[int, list[int]]] = field(default_factory=list)
+    tool_calls: list | None = None  # engine.tools.ToolCall, set by LLM.chat when given tools
 
     @property
     def finished(self) -> bool:

@@ -135,6 +135,33 @@ def check_schema(schema, where: str = "#") -> None:
                 check_schema(sub, f"{where}/{key}/{name}")
 
 
+def tag_schemas(tag) -> list:
+    """The JSON schemas inside a structural tag (its `json_schema` formats), at any depth."""
+    if isinstance(tag, list):
+        return [s for item in tag for s in tag_schemas(item)]
+    if not isinstance(tag, dict):
+        return []
+    own = [tag["json_schema"]] if tag.get("type") == "json_schema" else []
+    return own + [s for key, v in tag.items() if key != "json_schema" for s in tag_schemas(v)]
+
+
+def compiled_tag(tag, any_whitespace: bool):
+    """The structural tag with strict formats in its JSON schemas and, unless any_whitespace,
+    each JSON-style schema as a grammar of compact JSON (xgrammar's json_schema format admits
+    any whitespace), as the json kind writes it."""
+    if isinstance(tag, list):
+        return [compiled_tag(item, any_whitespace) for item in tag]
+    if not isinstance(tag, dict):
+        return tag
+    if tag.get("type") != "json_schema":
+        return {key: compiled_tag(v, any_whitespace) for key, v in tag.items()}
+    schema = with_strict_formats(tag["json_schema"])
+    if any_whitespace or tag.get("style", "json") != "json":
+        return {**tag, "json_schema": schema}
+    grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    return {"type": "grammar", "grammar": str(grammar)}
+
+
 def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids) -> xgr.TokenizerInfo:
     """xgrammar's view of an HF tokenizer, padded to the model's vocabulary size."""
     return xgr.TokenizerInfo.from_huggingface(
@@ -207,6 +234,8 @@ class GrammarCompiler:
         kind = so.kind
         if kind in ("json", "json_object"):
             check_schema(so.schema)
+        for schema in tag_schemas(so.structural_tag):
+            check_schema(schema)
         try:
             if kind in ("json", "json_object"):
                 compiled = self._compiler.compile_json_schema(
@@ -216,6 +245,9 @@ class GrammarCompiler:
                 compiled = self._compiler.compile_regex(so.regex)
             elif kind == "grammar":
                 compiled = self._compiler.compile_grammar(so.grammar)
+            elif kind == "structural_tag":
+                tag = compiled_tag(so.structural_tag, so.any_whitespace)
+                compiled = self._compiler.compile_structural_tag(json.dumps(tag))
             else:
                 compiled = self._compiler.compile_grammar(choice_grammar(so.choice))
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError with a message

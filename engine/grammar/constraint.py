@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from engine.errors import ParamError
 
-KINDS = ("json", "json_object", "regex", "grammar", "choice")
+KINDS = ("json", "json_object", "regex", "grammar", "choice", "structural_tag")
 MAX_CONSTRAINT_CHARS = 65536  # a schema's JSON text, a regex, a grammar, or all choices together
 
 
@@ -27,11 +27,14 @@ class StructuredOutputs:
     - regex: the whole output must match it (xgrammar's regex dialect: no lookaround,
       backreferences or word boundaries);
     - grammar: an EBNF grammar in xgrammar's (GBNF-like) syntax, start rule `root`;
-    - choice: the output is exactly one of these strings.
+    - choice: the output is exactly one of these strings;
+    - structural_tag: an xgrammar structural tag (dict, or its JSON text): free text and tagged
+      parts whose content is constrained, e.g. tool calls (engine.tools builds them).
 
-    any_whitespace (JSON only): False (the default) writes compact JSON with ", " and ": "
-    separators, so fixed keys and punctuation become tokens the grammar forces (free drafts)
-    and a small model cannot wander off into whitespace; True allows any JSON whitespace.
+    any_whitespace (JSON, and JSON schemas in a structural tag): False (the default) writes
+    compact JSON with ", " and ": " separators, so fixed keys and punctuation become tokens the
+    grammar forces (free drafts) and a small model cannot wander off into whitespace; True
+    allows any JSON whitespace.
     """
 
     json: dict | str | None = None
@@ -39,6 +42,7 @@ class StructuredOutputs:
     regex: str | None = None
     grammar: str | None = None
     choice: tuple[str, ...] | list[str] | None = None
+    structural_tag: dict | str | None = None
     any_whitespace: bool = False
 
     def __post_init__(self) -> None:
@@ -50,17 +54,18 @@ class StructuredOutputs:
             raise invalid(f"structured_outputs needs exactly one of {kinds}, got {given or 'none'}")
         kind = given[0]
         value = getattr(self, kind)
-        if kind == "json":
+        if kind in ("json", "structural_tag"):
             if isinstance(value, str):
                 try:
                     value = json.loads(value)
                 except json.JSONDecodeError as e:
-                    raise invalid(f"structured_outputs.json is not valid JSON: {e}") from None
+                    raise invalid(f"structured_outputs.{kind} is not valid JSON: {e}") from None
             if not isinstance(value, dict):
+                what = "JSON schema" if kind == "json" else "structural tag"
                 raise invalid(
-                    f"structured_outputs.json must be a JSON schema object, got {value!r:.80}",
+                    f"structured_outputs.{kind} must be a {what} object, got {value!r:.80}"
                 )
-            object.__setattr__(self, "json", value)  # keep the parsed schema
+            object.__setattr__(self, kind, value)  # keep the parsed object
         elif kind == "json_object" and value is not True:
             raise invalid(f"structured_outputs.json_object must be True, got {value!r}")
         elif kind in ("regex", "grammar") and (not isinstance(value, str) or not value):
@@ -70,7 +75,7 @@ class StructuredOutputs:
                 f"structured_outputs.choice must be a non-empty list of non-empty strings, "
                 f"got {list(value)!r:.80}",
             )
-        if kind == "json":
+        if kind in ("json", "structural_tag"):
             size = len(json.dumps(value))
         elif kind == "choice":
             size = sum(map(len, value))
@@ -115,6 +120,6 @@ class StructuredOutputs:
         kind = self.kind
         value = self.schema if kind in ("json", "json_object") else getattr(self, kind)
         spec = {"kind": kind, "value": value}
-        if kind in ("json", "json_object"):
+        if kind in ("json", "json_object", "structural_tag"):
             spec["any_whitespace"] = self.any_whitespace
         return json.dumps(spec, sort_keys=True, ensure_ascii=False, separators=(",", ":"))

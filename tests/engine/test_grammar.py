@@ -36,6 +36,8 @@ from engine.request import Request
         ({"choice": []}, "choice must be a non-empty list"),
         ({"choice": ["a", ""]}, "choice must be a non-empty list"),
         ({"regex": "a", "any_whitespace": "no"}, "any_whitespace must be a bool"),
+        ({"structural_tag": "[1]"}, "structural_tag must be a structural tag object"),
+        ({"structural_tag": "{x"}, "structural_tag is not valid JSON"),
     ],
 )
 def test_constraint_shape_errors(kwargs, message):
@@ -77,6 +79,16 @@ BAD_CONSTRAINTS = [
     ({"regex": r"(a)\1"}, "structured_outputs.regex: .*Backreference"),
     ({"grammar": "root ::= foo"}, 'structured_outputs.grammar: .*Rule "foo" is not defined'),
     ({"grammar": 'root := "a"'}, "structured_outputs.grammar: .*Unexpected character"),
+    ({"structural_tag": {"type": "structural_tag", "format": {"type": "x"}}}, "structural_tag: "),
+    (  # the schemas inside a tag are checked like the json kind's
+        {
+            "structural_tag": {
+                "type": "structural_tag",
+                "format": {"type": "json_schema", "json_schema": {"not": {"type": "string"}}},
+            }
+        },
+        "unsupported at #: 'not'",
+    ),
 ]
 
 
