@@ -37,45 +37,101 @@ import json
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
+
+from bench.workload import Workload, make_workload
 
 MODEL = "smollm2-135m-instruct"
+# No prefix caching anywhere: repeats must not find the previous run's prompts cached.
+ENGINE_ARGS = dict(
+    num_threads=1,
+    kv_cache_memory_bytes=1 << 30,
+    enable_prefix_caching=False,
+    quantization=None,
+)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--hf-limit", type=int, default=4)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    import openai
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     import torch
 
-    from bench.workload import make_workload
-    from engine import LLM, SamplingParams
-    from engine.models.registry import resolve_model
-    from playground.launch import free_port
-
     torch.set_num_threads(1)
-    vocab = json.loads((resolve_model(MODEL) / "config.json").read_text())["vocab_size"]
-    wl = make_workload(args.requests, args.seed, vocab, (96, 0.6, 8, 384), (64, 0.5, 8, 192))
+    wl = build_workload(args.requests, args.seed)
+    best, texts, clients = run_modes(wl, args.repeats)
+    n = len(wl.prompts)
+    same = count_equal(texts)
+    tokens = wl.num_output_tokens
+    print_times(best, tokens, same, n)
+    ttft, tpot = print_latencies(clients.ttfts, clients.tpots)
+    offline_s, whole_s, server_s = best["offline"], best["whole"], best["stream"]
+    result = (
+        f"server_whole_vs_offline={offline_s / whole_s:.3f} "
+        f"server_stream_vs_offline={offline_s / server_s:.3f}"
+    )
+    if not args.no_hf:
+        result += f" server_vs_hf_seq={tokens / server_s / hf_seq_tok_s(wl, args.hf_limit):.2f}"
     print(
-        f"# {args.requests} requests, {wl.num_prompt_tokens} prompt + {wl.num_output_tokens} "
+        f"RESULT {result} ttft_p50_ms={ttft:.0f} tpot_p50_ms={tpot:.1f} "
+        f"outputs_equal={same}/{2 * n}"
+    )
+    return 0 if same == 2 * n else 1
+
+
+def build_workload(num_requests: int, seed: int) -> Workload:
+    """The throughput benchmark's shape of workload, smaller; prints its size."""
+    from engine.models.registry import resolve_model
+
+    vocab = json.loads((resolve_model(MODEL) / "config.json").read_text())["vocab_size"]
+    wl = make_workload(num_requests, seed, vocab, (96, 0.6, 8, 384), (64, 0.5, 8, 192))
+    print(
+        f"# {num_requests} requests, {wl.num_prompt_tokens} prompt + {wl.num_output_tokens} "
         "output tokens, SmolLM2-135M fp32, 1 thread",
         flush=True,
     )
-    # No prefix caching anywhere: repeats must not find the previous run's prompts cached.
-    engine_args = dict(
-        num_threads=1,
-        kv_cache_memory_bytes=1 << 30,
-        enable_prefix_caching=False,
-        quantization=None,
-    )
+    return wl
 
-    # ---- offline: the engine with no HTTP in front ----
-    llm = LLM(MODEL, **engine_args)
+
+def run_modes(wl: Workload, repeats: int) -> tuple[dict[str, float], dict[str, list[str]], Clients]:
+    """Alternates the three modes `repeats` times: each mode's best seconds and last texts, and
+    the clients, holding the stats of the last streamed repeat."""
+    offline = offline_runner(wl)
+    server, url = start_server()
+    clients = Clients(wl, url)
+    best = {"offline": float("inf"), "whole": float("inf"), "stream": float("inf")}
+    texts: dict[str, list[str]] = {}
+    try:
+        for _ in range(repeats):
+            for mode in best:
+                clients.ttfts.clear()
+                clients.tpots.clear()
+                if mode == "offline":
+                    texts[mode], seconds = offline()
+                else:
+                    texts[mode], seconds = asyncio.run(clients.everyone(stream=mode == "stream"))
+                print(f"# {mode:8s} {seconds:7.2f} s", flush=True)
+                best[mode] = min(best[mode], seconds)
+    finally:
+        server.terminate()
+        server.wait(30)
+    return best, texts, clients
+
+
+def offline_runner(wl: Workload) -> Callable[[], tuple[list[str], float]]:
+    """The engine with no HTTP in front, loaded and warmed up; each call of the function returned
+    runs every request at once: (texts, seconds)."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(MODEL, **ENGINE_ARGS)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in wl.out_lens]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
 
@@ -84,7 +140,14 @@ def main(argv: list[str] | None = None) -> int:
         outs = llm.generate(wl.prompts, params, use_tqdm=False)
         return [o.outputs[0].text for o in outs], time.perf_counter() - t0
 
-    # ---- server: its own process, as deployed (the clients' work does not share its GIL) ----
+    return offline
+
+
+def start_server() -> tuple[subprocess.Popen, str]:
+    """`tandem serve` in its own process, as deployed (the clients' work does not share its GIL),
+    with ENGINE_ARGS' settings; (the process, its URL) once it answers /health."""
+    from playground.launch import free_port
+
     port = free_port()
     command = [sys.executable, "-m", "playground.cli", "serve", "--model", MODEL]
     command += ["--port", str(port)]
@@ -93,10 +156,31 @@ def main(argv: list[str] | None = None) -> int:
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     _wait_healthy(url, server)
-    ttfts: list[float] = []
-    tpots: list[float] = []
+    return server, url
 
-    async def one(client, i: int, stream: bool) -> str:
+
+class Clients:
+    """One `AsyncOpenAI` client per request against the server at `url`, all at once; streamed
+    requests add their time to first token and time per output token (seconds) to ttfts and
+    tpots."""
+
+    def __init__(self, wl: Workload, url: str) -> None:
+        self.wl, self.url = wl, url
+        self.ttfts: list[float] = []
+        self.tpots: list[float] = []
+
+    async def everyone(self, stream: bool) -> tuple[list[str], float]:
+        import openai
+
+        async with openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="x", max_retries=0) as c:
+            await c.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=2)  # warm-up
+            t = time.perf_counter()
+            num = len(self.wl.prompts)
+            texts = await asyncio.gather(*(self.one(c, i, stream) for i in range(num)))
+            return texts, time.perf_counter() - t
+
+    async def one(self, client, i: int, stream: bool) -> str:
+        wl = self.wl
         args = dict(model=MODEL, prompt=wl.prompts[i], max_tokens=wl.out_lens[i], temperature=0)
         if not stream:
             r = await client.completions.create(**args, extra_body={"ignore_eos": True})
@@ -112,67 +196,45 @@ def main(argv: list[str] | None = None) -> int:
                 last = time.perf_counter()
                 first = first or last
                 text.append(chunk.choices[0].text)
-        ttfts.append(first - start)
+        self.ttfts.append(first - start)
         if wl.out_lens[i] > 1:
-            tpots.append((last - first) / (wl.out_lens[i] - 1))
+            self.tpots.append((last - first) / (wl.out_lens[i] - 1))
         return "".join(text)
 
-    async def everyone(url: str, stream: bool) -> tuple[list[str], float]:
-        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as c:
-            await c.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=2)  # warm-up
-            t = time.perf_counter()
-            texts = await asyncio.gather(*(one(c, i, stream) for i in range(len(wl.prompts))))
-            return texts, time.perf_counter() - t
 
-    # Alternate the three modes --repeats times; keep each one's best time.
-    best = {"offline": float("inf"), "whole": float("inf"), "stream": float("inf")}
-    texts: dict[str, list[str]] = {}
-    try:
-        for _ in range(args.repeats):
-            for mode in best:
-                ttfts.clear()
-                tpots.clear()
-                if mode == "offline":
-                    texts[mode], seconds = offline()
-                else:
-                    texts[mode], seconds = asyncio.run(everyone(url, stream=mode == "stream"))
-                print(f"# {mode:8s} {seconds:7.2f} s", flush=True)
-                best[mode] = min(best[mode], seconds)
-    finally:
-        server.terminate()
-        server.wait(30)
-    offline_s, whole_s, server_s = best["offline"], best["whole"], best["stream"]
-    n = len(wl.prompts)
+def count_equal(texts: dict[str, list[str]]) -> int:
+    """Server outputs equal to offline's, whole and streamed together (of 2 x requests)."""
     same = sum(a == b for a, b in zip(texts["whole"], texts["offline"], strict=True))
     same += sum(a == b for a, b in zip(texts["stream"], texts["offline"], strict=True))
+    return same
 
-    tokens = wl.num_output_tokens
+
+def print_times(best: dict[str, float], tokens: int, same: int, num_requests: int) -> None:
+    offline_s, whole_s, server_s = best["offline"], best["whole"], best["stream"]
     print(f"offline          {offline_s:7.2f} s  {tokens / offline_s:7.1f} tok/s")
     print(f"server, whole    {whole_s:7.2f} s  {tokens / whole_s:7.1f} tok/s")
     print(f"server, streamed {server_s:7.2f} s  {tokens / server_s:7.1f} tok/s")
-    print(f"outputs equal to offline: {same}/{2 * n}")
+    print(f"outputs equal to offline: {same}/{2 * num_requests}")
+
+
+def print_latencies(ttfts: list[float], tpots: list[float]) -> tuple[float, float]:
+    """Prints the streamed requests' p50 and p90; returns the p50s in milliseconds."""
     ttft = statistics.median(ttfts) * 1e3
     tpot = statistics.median(tpots) * 1e3
     print(
         f"streamed: ttft p50 {ttft:.0f} ms  p90 {_p(ttfts, 0.9) * 1e3:.0f} ms  "
         f"time/output token p50 {tpot:.1f} ms  p90 {_p(tpots, 0.9) * 1e3:.1f} ms"
     )
-    result = (
-        f"server_whole_vs_offline={offline_s / whole_s:.3f} "
-        f"server_stream_vs_offline={offline_s / server_s:.3f}"
-    )
+    return ttft, tpot
 
-    if not args.no_hf:
-        from bench.hf_baselines import load_hf_model, run_hf_seq
 
-        hf = run_hf_seq(load_hf_model(), wl, args.hf_limit)
-        print(f"hf_seq   {hf.out_tok_s:7.1f} tok/s ({'; '.join(hf.notes)})")
-        result += f" server_vs_hf_seq={tokens / server_s / hf.out_tok_s:.2f}"
-    print(
-        f"RESULT {result} ttft_p50_ms={ttft:.0f} tpot_p50_ms={tpot:.1f} "
-        f"outputs_equal={same}/{2 * n}"
-    )
-    return 0 if same == 2 * n else 1
+def hf_seq_tok_s(wl: Workload, hf_limit: int) -> float:
+    """HF `generate()` one request at a time, the first hf_limit timed: output tokens/s."""
+    from bench.hf_baselines import load_hf_model, run_hf_seq
+
+    hf = run_hf_seq(load_hf_model(), wl, hf_limit)
+    print(f"hf_seq   {hf.out_tok_s:7.1f} tok/s ({'; '.join(hf.notes)})")
+    return hf.out_tok_s
 
 
 def _wait_healthy(url: str, process, timeout: float = 300.0) -> None:

@@ -215,7 +215,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="comma-separated subset of tandem,hf_seq,hf_static,hf_cb",
     )
     ap.add_argument("--no-margins", action="store_true", help="skip near-tie logit margins")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    # The defaults that --quick changes.
+    args.num_requests = args.num_requests or (24 if args.quick else 64)
+    args.static_batch_size = args.static_batch_size or (16 if args.quick else 32)
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,26 +232,42 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown modes: {sorted(unknown)}", file=sys.stderr)
         return 2
 
-    if args.quick:
-        n = args.num_requests or 24
-        prompt_dist, output_dist = (64, 0.7, 16, 256), (28, 0.7, 8, 80)
-        static_bs = args.static_batch_size or 16
-    else:
-        n = args.num_requests or 64
-        prompt_dist, output_dist = (100, 0.8, 16, 512), (80, 0.8, 8, 256)
-        static_bs = args.static_batch_size or 32
+    wl = build_workload(args.num_requests, args.seed, args.quick)
+    ours, kv_util = run_tandem_mode(wl, args) if "tandem" in modes else (None, None)
+    hf_modes = [m for m in ("hf_seq", "hf_static", "hf_cb") if m in modes]
+    model, hf = run_hf_modes(wl, args, hf_modes)
+    results = ([ours] if ours is not None else []) + list(hf.values())
 
+    print(f"# load average at end: {_loadavg()}")
+    print_correctness(results, wl, model, args.no_margins)
+    print_throughput(results, kv_util)
+    print(
+        f"RESULT throughput_x_hf_seq={_ratio(ours, hf.get('hf_seq'))} "
+        f"throughput_x_hf_static={_ratio(ours, hf.get('hf_static'))} "
+        f"throughput_x_hf_cb={_ratio(ours, hf.get('hf_cb'))} "
+        f"kv_utilization={_fmt(kv_util, '.3f')}"
+    )
+    return 0 if ours is not None and ours.ok else 1
+
+
+def build_workload(n: int, seed: int, quick: bool) -> Workload:
+    """n requests with lognormal (median, sigma, min, max) prompt and output lengths, shorter
+    with --quick; prints what it drew."""
     from engine.models.registry import resolve_model
 
+    if quick:
+        prompt_dist, output_dist = (64, 0.7, 16, 256), (28, 0.7, 8, 80)
+    else:
+        prompt_dist, output_dist = (100, 0.8, 16, 512), (80, 0.8, 8, 256)
     vocab = _vocab_size(resolve_model(MODEL))
-    wl = make_workload(n, args.seed, vocab, prompt_dist, output_dist)
+    wl = make_workload(n, seed, vocab, prompt_dist, output_dist)
     print(
         f"# throughput bench: {MODEL}, fp32, torch threads={torch.get_num_threads()}, "
         f"torch {torch.__version__}"
     )
     print(f"# load average at start: {_loadavg()}")
     print(
-        f"# workload: {n} requests, seed {args.seed}, random prompt ids in [100, {vocab - 100}), "
+        f"# workload: {n} requests, seed {seed}, random prompt ids in [100, {vocab - 100}), "
         "greedy, EOS ignored"
     )
     for label, dist, lens in (
@@ -260,46 +280,54 @@ def main(argv: list[str] | None = None) -> int:
             f"{sorted(lens)[n // 2]}, min {min(lens)}, max {max(lens)}, total {sum(lens)}"
         )
     sys.stdout.flush()
+    return wl
 
-    results: list[ModeResult] = []
+
+def run_tandem_mode(wl: Workload, args) -> tuple[ModeResult, float | None]:
+    """run_tandem, with a failure reported as the mode's error instead of raised."""
     kv_util = None
-    ours = None
-    if "tandem" in modes:
-        try:
-            ours, kv_util = run_tandem(wl, args)
-        except Exception as e:  # keep going: the HF modes still report
-            traceback.print_exc()
-            ours = ModeResult("tandem", error=f"{type(e).__name__}: {e}"[:120])
-        results.append(ours)
-        _print_mode(ours)
+    try:
+        ours, kv_util = run_tandem(wl, args)
+    except Exception as e:  # keep going: the HF modes still report
+        traceback.print_exc()
+        ours = ModeResult("tandem", error=f"{type(e).__name__}: {e}"[:120])
+    _print_mode(ours)
+    return ours, kv_util
 
-    model = None
-    hf: dict[str, ModeResult] = {}
-    hf_modes = [m for m in ("hf_seq", "hf_static", "hf_cb") if m in modes]
-    if hf_modes:
-        try:
-            model = load_hf_model()
-        except Exception as e:
-            traceback.print_exc()
-            for m in hf_modes:
-                hf[m] = ModeResult(m, error=f"model load failed: {type(e).__name__}")
+
+def run_hf_modes(wl: Workload, args, hf_modes: list[str]) -> tuple[object, dict[str, ModeResult]]:
+    """The HF baselines asked for, in order, a failure reported as the mode's error: (the HF
+    model, None if none was loaded; results by mode)."""
+    if not hf_modes:
+        return None, {}
+    try:
+        model = load_hf_model()
+    except Exception as e:
+        traceback.print_exc()
+        hf = {m: ModeResult(m, error=f"model load failed: {type(e).__name__}") for m in hf_modes}
+        for r in hf.values():
+            _print_mode(r)
+        return None, hf
     runners = {
         "hf_seq": lambda: run_hf_seq(model, wl, args.hf_seq_limit),
-        "hf_static": lambda: run_hf_static(model, wl, static_bs),
+        "hf_static": lambda: run_hf_static(model, wl, args.static_batch_size),
         "hf_cb": lambda: run_hf_cb(model, wl),
     }
+    hf: dict[str, ModeResult] = {}
     for m in hf_modes:
-        if m not in hf:
-            try:
-                hf[m] = runners[m]()
-            except Exception as e:
-                traceback.print_exc()
-                hf[m] = ModeResult(m, error=f"{type(e).__name__}: {e}"[:120])
-            gc.collect()
-        results.append(hf[m])
+        try:
+            hf[m] = runners[m]()
+        except Exception as e:
+            traceback.print_exc()
+            hf[m] = ModeResult(m, error=f"{type(e).__name__}: {e}"[:120])
+        gc.collect()
         _print_mode(hf[m])
+    return model, hf
 
-    print(f"# load average at end: {_loadavg()}")
+
+def print_correctness(results: list[ModeResult], wl: Workload, model, no_margins: bool) -> None:
+    """Token ids of every pair of modes that both ran; HF's logit margins at tandem's
+    divergences from hf_seq (unless no_margins)."""
     print("\n## correctness (token ids, greedy)")
     eos = eos_id(model) if model is not None else None
     pairs = [("tandem", "hf_seq"), ("tandem", "hf_static"), ("tandem", "hf_cb")]
@@ -309,21 +337,16 @@ def main(argv: list[str] | None = None) -> int:
         ra, rb = by_name.get(a), by_name.get(b)
         if ra is None or rb is None or not ra.ok or not rb.ok:
             continue
-        with_margins = model if (not args.no_margins and b == "hf_seq" and a == "tandem") else None
+        with_margins = model if (not no_margins and b == "hf_seq" and a == "tandem") else None
         for line in compare(ra, rb, wl, with_margins, eos):
             print(line)
 
+
+def print_throughput(results: list[ModeResult], kv_util: float | None) -> None:
     print("\n## throughput (output tokens / wall seconds; 'tandem x' = tandem out tok/s / mode's)")
     print(format_table(results))
     if kv_util is not None:
         print(f"tandem KV utilization (tokens stored / slots allocated, all steps): {kv_util:.3f}")
-    print(
-        f"RESULT throughput_x_hf_seq={_ratio(ours, hf.get('hf_seq'))} "
-        f"throughput_x_hf_static={_ratio(ours, hf.get('hf_static'))} "
-        f"throughput_x_hf_cb={_ratio(ours, hf.get('hf_cb'))} "
-        f"kv_utilization={_fmt(kv_util, '.3f')}"
-    )
-    return 0 if ours is not None and ours.ok else 1
 
 
 def _loadavg() -> str:
