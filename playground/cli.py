@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from playground.launch import add_server_args
+
 
 def _generate(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
@@ -34,10 +36,10 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _web(args: argparse.Namespace, which: str) -> int:
+def _web(args: argparse.Namespace) -> int:
     from playground.launch import playground_main, serve_main
 
-    return serve_main(args) if which == "serve" else playground_main(args)
+    return serve_main(args) if args.command == "serve" else playground_main(args)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -66,16 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     playground = sub.add_parser("playground", help="the HTTP server with the Gradio UI mounted")
     for parser_, port in ((serve, 8000), (playground, 7860)):
-        from playground.launch import add_server_args
-
         add_server_args(parser_, port)
+        parser_.set_defaults(func=_web)
     playground.add_argument(
         "--no-demo-adapters",
         action="store_true",
         help="without --lora, the playground writes two small random PEFT adapters to show",
     )
-    serve.set_defaults(func=lambda a: _web(a, "serve"))
-    playground.set_defaults(func=lambda a: _web(a, "playground"))
     bench = sub.add_parser("bench", help="run a benchmark from bench/")
     bench.add_argument("name", choices=["throughput"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)

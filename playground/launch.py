@@ -9,10 +9,6 @@ import argparse
 import os
 import socket
 import sys
-import threading
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from lora.adapter import LoRARequest
@@ -116,28 +112,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-@contextmanager
-def serving_in_thread(app, host: str = "127.0.0.1") -> Iterator[str]:
-    """Run an ASGI app with uvicorn in a background thread on a free port; yields its URL
-    (tests and benchmarks)."""
-    import uvicorn
-
-    port = free_port(host)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.05)
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 def run(state: ServerState, host: str, port: int, with_ui: bool) -> int:

@@ -11,14 +11,48 @@ from playground.async_engine import AsyncEngine, OutputObserver
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60, 120)
 
+# Read from the snapshot on every scrape: (name after "tandem_", help, the value's keys).
+_GAUGES = (
+    ("num_requests_running", "Requests running", "num_running"),
+    ("num_requests_waiting", "Requests waiting", "num_waiting"),
+    (
+        "kv_utilization_ratio",
+        "Tokens stored / token slots allocated in used blocks",
+        "kv_utilization",
+    ),
+    ("prefix_cache_hit_rate", "Hit tokens / query tokens", "prefix_cache.hit_rate"),
+    ("grammar_matchers", "Grammar matchers live", "grammar.num_matchers"),
+    (
+        "generation_tokens_per_second",
+        "Tokens generated per second over the last ~10 s",
+        "tokens_per_second",
+    ),
+    ("spec_acceptance_rate", "Accepted / drafted tokens", "speculation.acceptance_rate"),
+    (
+        "spec_mean_accepted_length",
+        "Tokens emitted per verification step",
+        "speculation.mean_accepted_length",
+    ),
+)
+_COUNTERS = (
+    ("prefix_cache_queries", "Prompt tokens looked up", "prefix_cache.query_tokens"),
+    ("prefix_cache_hits", "Prompt tokens found cached", "prefix_cache.hit_tokens"),
+    ("num_preemptions", "Requests preempted", "num_preemptions"),
+    (
+        "request_errors",
+        "Requests ended by a failure in their own processing (finish_reason error)",
+        "num_request_errors",
+    ),
+    ("generation_tokens", "Tokens generated", "num_generated_tokens"),
+)
+
 
 class ServerMetrics(OutputObserver):
     def __init__(self):
         self.registry = CollectorRegistry()
-        r = self.registry
 
         def latency(name: str, doc: str) -> Histogram:
-            return Histogram(name, doc, buckets=_LATENCY_BUCKETS, registry=r)
+            return Histogram(name, doc, buckets=_LATENCY_BUCKETS, registry=self.registry)
 
         self.ttft = latency(
             "tandem_time_to_first_token_seconds", "Arrival to first generated token"
@@ -32,7 +66,7 @@ class ServerMetrics(OutputObserver):
             "tandem_completions_finished",
             "Finished completions (n per request)",
             ["finish_reason"],
-            registry=r,
+            registry=self.registry,
         )
         self._last: dict[str, tuple[float, int]] = {}  # request id -> (time, tokens) last seen
 
@@ -71,73 +105,37 @@ class _EngineCollector:
 
     def collect(self):
         snap = self.engine.snapshot()
-        yield _gauge("tandem_num_requests_running", "Requests running", snap["num_running"])
-        yield _gauge("tandem_num_requests_waiting", "Requests waiting", snap["num_waiting"])
-        total = snap["num_blocks"]
-        yield _gauge(
+        for family, table in ((GaugeMetricFamily, _GAUGES), (CounterMetricFamily, _COUNTERS)):
+            for name, doc, keys in table:
+                value = snap
+                for key in keys.split("."):
+                    value = value[key]
+                yield family(f"tandem_{name}", doc, value=value)
+        total, used = snap["num_blocks"], snap["num_used_blocks"]
+        yield GaugeMetricFamily(
             "tandem_kv_cache_usage_ratio",
             "Fraction of KV blocks held by requests",
-            snap["num_used_blocks"] / total if total else 0.0,
+            value=used / total if total else 0.0,
         )
-        blocks = GaugeMetricFamily("tandem_kv_blocks", "KV blocks by state", labels=["state"])
         cached = snap["num_cached_free_blocks"]
-        blocks.add_metric(["used"], snap["num_used_blocks"])
-        blocks.add_metric(["cached"], cached)
-        blocks.add_metric(["free"], snap["num_free_blocks"] - cached)
-        yield blocks
-        yield _gauge(
-            "tandem_kv_utilization_ratio",
-            "Tokens stored / token slots allocated in used blocks",
-            snap["kv_utilization"],
-        )
-        pc = snap["prefix_cache"]
-        yield _counter("tandem_prefix_cache_queries", "Prompt tokens looked up", pc["query_tokens"])
-        yield _counter("tandem_prefix_cache_hits", "Prompt tokens found cached", pc["hit_tokens"])
-        yield _gauge("tandem_prefix_cache_hit_rate", "Hit tokens / query tokens", pc["hit_rate"])
-        yield _counter("tandem_num_preemptions", "Requests preempted", snap["num_preemptions"])
-        yield _counter(
-            "tandem_request_errors",
-            "Requests ended by a failure in their own processing (finish_reason error)",
-            snap["num_request_errors"],
-        )
-        yield _gauge(
-            "tandem_grammar_matchers", "Grammar matchers live", snap["grammar"]["num_matchers"]
-        )
-        yield _counter("tandem_generation_tokens", "Tokens generated", snap["num_generated_tokens"])
-        yield _gauge(
-            "tandem_generation_tokens_per_second",
-            "Tokens generated per second over the last ~10 s",
-            snap["tokens_per_second"],
-        )
+        free = snap["num_free_blocks"] - cached
+        by_state = {"used": used, "cached": cached, "free": free}
+        yield _labelled(GaugeMetricFamily, "kv_blocks", "KV blocks by state", "state", by_state)
         spec = snap["speculation"]
-        drafted = CounterMetricFamily(
-            "tandem_spec_draft_tokens",
-            "Draft tokens verified, by draft position",
-            labels=["position"],
-        )
-        accepted = CounterMetricFamily(
-            "tandem_spec_accepted_tokens",
-            "Draft tokens accepted, by draft position",
-            labels=["position"],
-        )
-        for j, (d, a) in enumerate(zip(spec["drafted_at"], spec["accepted_at"], strict=True)):
-            drafted.add_metric([str(j)], d)
-            accepted.add_metric([str(j)], a)
-        yield drafted
-        yield accepted
-        yield _gauge(
-            "tandem_spec_acceptance_rate", "Accepted / drafted tokens", spec["acceptance_rate"]
-        )
-        yield _gauge(
-            "tandem_spec_mean_accepted_length",
-            "Tokens emitted per verification step",
-            spec["mean_accepted_length"],
-        )
+        for name, verb, key in (
+            ("draft", "verified", "drafted_at"),
+            ("accepted", "accepted", "accepted_at"),
+        ):
+            doc = f"Draft tokens {verb}, by draft position"
+            by_position = dict(enumerate(spec[key]))
+            yield _labelled(
+                CounterMetricFamily, f"spec_{name}_tokens", doc, "position", by_position
+            )
 
 
-def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, doc, value=value)
-
-
-def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-    return CounterMetricFamily(name, doc, value=value)
+def _labelled(family, name: str, doc: str, label: str, values: dict):
+    """A metric family with one sample per `label` value."""
+    metric = family(f"tandem_{name}", doc, labels=[label])
+    for key, value in values.items():
+        metric.add_metric([str(key)], value)
+    return metric

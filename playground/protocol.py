@@ -18,39 +18,33 @@ from engine.sampling_params import SamplingParams
 from engine.spec_stats import SpecStats
 
 
+@dataclass(eq=False)
 class APIError(Exception):
     """An error answered in OpenAI's shape: {"error": {message, type, param, code}}."""
 
-    def __init__(
-        self,
-        message: str,
-        param: str | None = None,
-        status: int = 400,
-        code: str | None = None,
-        type: str = "invalid_request_error",  # noqa: A002 - OpenAI's field name
-    ):
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.status = status
-        self.code = code
-        self.type = type
+    message: str
+    param: str | None = None
+    status: int = 400
+    code: str | None = None
+    type: str = "invalid_request_error"  # OpenAI's field name
+
+    def __str__(self) -> str:
+        return self.message
 
     def body(self) -> dict:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+        return {"error": {k: getattr(self, k) for k in ("message", "type", "param", "code")}}
 
 
-def from_value_error(exc: ValueError, default_param: str | None = None) -> APIError:
-    """A 400 naming the parameter: the engine's ParamError carries it; any other ValueError
-    is about default_param."""
-    return APIError(str(exc), getattr(exc, "param", None) or default_param)
+def param_error(exc: ValueError, body: dict, default_param: str) -> APIError:
+    """A 400 naming the field the request used: the engine's ParamError carries a parameter
+    (any other ValueError is about default_param); its "structured_outputs" is whichever field
+    held the constraint, and its "prompt" is chat's messages."""
+    param = getattr(exc, "param", None) or default_param
+    if param == "structured_outputs":
+        param = constraint_field(body)
+    elif param == "prompt" and "messages" in body:
+        param = "messages"
+    return APIError(str(exc), param)
 
 
 # Fields every generation endpoint takes, and the type each must have.
@@ -211,16 +205,9 @@ def sampling_params(body: dict, max_tokens_default: int | None, **overrides) -> 
     if isinstance(kwargs.get("logit_bias"), dict):  # JSON keys are strings
         kwargs["logit_bias"] = {_token_key(k): v for k, v in kwargs["logit_bias"].items()}
     try:
-        constraint = structured_outputs(body)
-        return SamplingParams(**kwargs, structured_outputs=constraint)
+        return SamplingParams(**kwargs, structured_outputs=structured_outputs(body))
     except ValueError as exc:
-        raise constraint_error(from_value_error(exc, "structured_outputs"), body) from None
-
-
-def constraint_error(error: APIError, body: dict) -> APIError:
-    if error.param == "structured_outputs":
-        error.param = constraint_field(body)
-    return error
+        raise param_error(exc, body, "structured_outputs") from None
 
 
 def _token_key(key):
@@ -292,10 +279,8 @@ def tokenize(body: dict, tokenizer, max_model_len: int) -> dict:
         )
     else:
         messages = check_messages(body["messages"])
-        generation, cont = (
-            body.get("add_generation_prompt", True),
-            body.get("continue_final_message"),
-        )
+        generation = body.get("add_generation_prompt", True)
+        cont = bool(body.get("continue_final_message"))
         if generation and cont:
             raise APIError(
                 "continue_final_message needs add_generation_prompt=false", "continue_final_message"
@@ -303,7 +288,7 @@ def tokenize(body: dict, tokenizer, max_model_len: int) -> dict:
         if not getattr(tokenizer, "chat_template", None):
             raise APIError("this model has no chat template; tokenize a prompt", "messages")
         special = body.get("add_special_tokens", False)
-        ids = chat_prompt_ids(tokenizer, messages, generation, bool(cont), special)
+        ids = chat_prompt_ids(tokenizer, messages, generation, cont, special)
     strs = tokenizer.convert_ids_to_tokens(ids) if body.get("return_token_strs") else None
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
 
@@ -344,8 +329,12 @@ def completion_prompts(prompt) -> list[str | list[int]]:
 # ---- responses -----------------------------------------------------------------------------
 @dataclass
 class ResponseContext:
+    """What shapes one request's responses: its kind and model, and n and logprobs as asked."""
+
     kind: str  # "completion" | "chat"
     model: str
+    n: int = 1  # choices per prompt: prompt i's choice j is choices[i * n + j]
+    logprobs: int | None = None  # top logprobs per token; None: no logprobs
     id: str = ""
     created: int = 0
 
@@ -354,12 +343,11 @@ class ResponseContext:
         self.id = self.id or f"{prefix}-{uuid.uuid4().hex}"
         self.created = self.created or int(time.time())
 
-    @property
-    def object(self) -> str:
-        return "chat.completion" if self.kind == "chat" else "text_completion"
-
     def envelope(self, choices: list[dict], chunk: bool = False) -> dict:
-        obj = self.object + (".chunk" if chunk and self.kind == "chat" else "")
+        if self.kind == "chat":
+            obj = "chat.completion.chunk" if chunk else "chat.completion"
+        else:
+            obj = "text_completion"
         return {
             "id": self.id,
             "object": obj,
@@ -384,10 +372,10 @@ def _top(position: dict[int, Logprob], limit: int) -> list[tuple[int, Logprob]]:
     )
 
 
-def completion_logprobs(c: CompletionOutput, limit: int, text_offset: int = 0) -> dict:
+def completion_logprobs(c: CompletionOutput, limit: int) -> dict:
     """Completions' logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
     tokens, token_lps, tops, offsets = [], [], [], []
-    offset = text_offset
+    offset = 0
     for token, position in zip(c.token_ids, c.logprobs or [], strict=False):
         chosen = position[token]
         text = chosen.decoded_token or ""
@@ -411,24 +399,22 @@ def chat_logprobs(c: CompletionOutput, limit: int) -> dict:
 
     content = []
     for token, position in zip(c.token_ids, c.logprobs or [], strict=False):
-        content.append(
-            entry(position[token])
-            | {"top_logprobs": [entry(lp) for _, lp in _top(position, limit)]}
-        )
+        tops = [entry(lp) for _, lp in _top(position, limit)]
+        content.append(entry(position[token]) | {"top_logprobs": tops})
     return {"content": content}
 
 
-def choice(
-    ctx: ResponseContext, index: int, c: CompletionOutput, logprobs: int | None, delta: bool
-) -> dict:
+def choice(ctx: ResponseContext, index: int, c: CompletionOutput, delta: bool) -> dict:
     """One choice: whole (delta=False) or a stream chunk's piece (c holds only what is new)."""
     lps = None
-    if logprobs is not None and c.logprobs is not None:
-        lps = chat_logprobs(c, logprobs) if ctx.kind == "chat" else completion_logprobs(c, logprobs)
+    if ctx.logprobs is not None and c.logprobs is not None:
+        to_dict = chat_logprobs if ctx.kind == "chat" else completion_logprobs
+        lps = to_dict(c, ctx.logprobs)
     out: dict = {"index": index}
-    if ctx.kind == "chat":
-        key = "delta" if delta else "message"
-        out[key] = {"role": "assistant", "content": c.text} if not delta else {"content": c.text}
+    if ctx.kind == "chat" and delta:
+        out["delta"] = {"content": c.text}
+    elif ctx.kind == "chat":
+        out["message"] = {"role": "assistant", "content": c.text}
     else:
         out["text"] = c.text
     out["logprobs"] = lps
@@ -443,37 +429,34 @@ def spec_stats(outs: list[RequestOutput]) -> dict:
     return SpecStats.merged(o.metrics.spec for o in outs if o.metrics and o.metrics.spec).as_dict()
 
 
+def _prompt_logprobs(out: RequestOutput) -> list[dict | None]:
+    """vLLM's extension: per prompt position, token id -> logprob, rank, decoded_token."""
+    return [
+        None
+        if position is None
+        else {
+            str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for t, lp in position.items()
+        }
+        for position in out.prompt_logprobs
+    ]
+
+
 def final_response(
-    ctx: ResponseContext,
-    outs: list[RequestOutput],
-    n: int,
-    logprobs: int | None,
-    with_spec_stats: bool = False,
+    ctx: ResponseContext, outs: list[RequestOutput], with_spec_stats: bool = False
 ) -> dict:
     choices = []
-    prompt_tokens = completion_tokens = cached = 0
     for i, out in enumerate(outs):
-        prompt_tokens += len(out.prompt_token_ids)
-        cached += out.num_cached_tokens
         for c in out.outputs:
-            completion_tokens += len(c.token_ids)
-            choices.append(choice(ctx, i * n + c.index, c, logprobs, delta=False))
-            if out.prompt_logprobs is not None:  # vLLM's extension: per prompt position
-                choices[-1]["prompt_logprobs"] = [
-                    None
-                    if position is None
-                    else {
-                        str(t): {
-                            "logprob": lp.logprob,
-                            "rank": lp.rank,
-                            "decoded_token": lp.decoded_token,
-                        }
-                        for t, lp in position.items()
-                    }
-                    for position in out.prompt_logprobs
-                ]
+            choices.append(choice(ctx, i * ctx.n + c.index, c, delta=False))
+            if out.prompt_logprobs is not None:
+                choices[-1]["prompt_logprobs"] = _prompt_logprobs(out)
     body = ctx.envelope(choices)
-    body["usage"] = usage(prompt_tokens, completion_tokens, cached)
+    body["usage"] = usage(
+        sum(len(out.prompt_token_ids) for out in outs),
+        sum(len(c.token_ids) for out in outs for c in out.outputs),
+        sum(out.num_cached_tokens for out in outs),
+    )
     if with_spec_stats:
         body["speculation"] = spec_stats(outs)
     return body

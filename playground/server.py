@@ -84,7 +84,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return _error_response(exc)
 
     if state.api_key is not None:
         app.add_middleware(APIKeyCheck, key=state.api_key)
@@ -131,39 +131,11 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = protocol.check_fields(await _json(request), protocol.COMPLETION_FIELDS)
-        protocol.refuse_unsupported(body, chat=False)
-        if body.get("prompt") is None:
-            raise APIError("prompt is required", "prompt")
-        lora = state.lora_for(body.get("model"))
-        prompts = protocol.completion_prompts(body["prompt"])
-        ids = await asyncio.to_thread(_encode_all, state, prompts)
-        logprobs = body.get("logprobs")
-        params = protocol.sampling_params(
-            body, 16, logprobs=logprobs, prompt_logprobs=body.get("prompt_logprobs")
-        )
-        ctx = ResponseContext("completion", body.get("model") or state.model_name)
-        return await _serve(state, request, ctx, body, ids, params, lora, logprobs, "prompt")
+        return await _generate(state, request, "completion")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = protocol.check_fields(await _json(request), protocol.CHAT_FIELDS)
-        protocol.refuse_unsupported(body, chat=True)
-        lora = state.lora_for(body.get("model"))
-        messages = protocol.check_messages(body.get("messages") or [])
-        if not getattr(state.tokenizer, "chat_template", None):
-            raise APIError("this model has no chat template; use /v1/completions", "messages")
-        ids = await asyncio.to_thread(chat_prompt_ids, state.tokenizer, messages)
-        top = body.get("top_logprobs")
-        if top is not None and not body.get("logprobs"):
-            raise APIError("top_logprobs needs logprobs=true", "top_logprobs")
-        logprobs = (top or 0) if body.get("logprobs") else None
-        max_tokens = body.get("max_completion_tokens")
-        if max_tokens is None:
-            max_tokens = body.get("max_tokens")
-        params = protocol.sampling_params(body, None, logprobs=logprobs, max_tokens=max_tokens)
-        ctx = ResponseContext("chat", body.get("model") or state.model_name)
-        return await _serve(state, request, ctx, body, [ids], params, lora, logprobs, "messages")
+        return await _generate(state, request, "chat")
 
     return app
 
@@ -174,6 +146,34 @@ async def _json(request: Request):
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(f"the request body is not valid JSON: {exc}") from None
+
+
+async def _completion_inputs(state: ServerState, body: dict):
+    """(prompts' token ids, sampling params, adapter) of a /v1/completions body."""
+    if body.get("prompt") is None:
+        raise APIError("prompt is required", "prompt")
+    lora = state.lora_for(body.get("model"))
+    prompts = protocol.completion_prompts(body["prompt"])
+    ids = await asyncio.to_thread(_encode_all, state, prompts)
+    extra = {"logprobs": body.get("logprobs"), "prompt_logprobs": body.get("prompt_logprobs")}
+    return ids, protocol.sampling_params(body, 16, **extra), lora
+
+
+async def _chat_inputs(state: ServerState, body: dict):
+    """(the prompt's token ids, as one list, sampling params, adapter) of a chat body."""
+    lora = state.lora_for(body.get("model"))
+    messages = protocol.check_messages(body.get("messages") or [])
+    if not getattr(state.tokenizer, "chat_template", None):
+        raise APIError("this model has no chat template; use /v1/completions", "messages")
+    ids = await asyncio.to_thread(chat_prompt_ids, state.tokenizer, messages)
+    top = body.get("top_logprobs")
+    if top is not None and not body.get("logprobs"):
+        raise APIError("top_logprobs needs logprobs=true", "top_logprobs")
+    logprobs = (top or 0) if body.get("logprobs") else None
+    # max_completion_tokens is OpenAI's newer name; it wins over max_tokens when both are given.
+    max_tokens = body.get("max_completion_tokens")
+    params = protocol.sampling_params(body, None, logprobs=logprobs, max_tokens=max_tokens)
+    return [ids], params, lora
 
 
 def _encode_all(state: ServerState, prompts: list[str | list[int]]) -> list[list[int]]:
@@ -194,22 +194,23 @@ def _check_max_tokens(state: ServerState, ids: list[list[int]], params, what: st
             )
 
 
-async def _serve(
-    state: ServerState,
-    request: Request,
-    ctx: ResponseContext,
-    body: dict,
-    ids: list[list[int]],
-    params,
-    lora: LoRARequest | None,
-    logprobs: int | None,
-    what: str,
-) -> Response:
+async def _generate(state: ServerState, request: Request, kind: str) -> Response:
+    """Both generation endpoints: check the body, submit every prompt, answer whole or as a
+    stream of server-sent events."""
+    is_chat = kind == "chat"
+    fields = protocol.CHAT_FIELDS if is_chat else protocol.COMPLETION_FIELDS
+    body = protocol.check_fields(await _json(request), fields)
+    protocol.refuse_unsupported(body, chat=is_chat)
+    inputs = _chat_inputs if is_chat else _completion_inputs
+    ids, params, lora = await inputs(state, body)
+    model = body.get("model") or state.model_name
+    ctx = ResponseContext(kind, model, n=params.n, logprobs=params.logprobs)
+    what = "messages" if is_chat else "prompt"
     _check_max_tokens(state, ids, params, what)
-    streams = await _add_all(state, ctx, ids, params, lora, body, what)
+    streams = await _add_all(state, ctx.id, ids, params, lora, body, what)
+    with_spec_stats = bool(body.get("return_spec_stats"))
     if body.get("stream"):
-        tail = (protocol.include_usage(body), bool(body.get("return_spec_stats")))
-        events = _sse(ctx, streams, params.n, logprobs, *tail)
+        events = _sse(ctx, streams, protocol.include_usage(body), with_spec_stats)
         return StreamingResponse(events, media_type="text/event-stream")
     finals = await _collect_unless_disconnected(request, streams)
     if finals is None:
@@ -217,8 +218,7 @@ async def _serve(
     failed = next((f for f in finals if f.error), None)
     if failed:  # its own processing failed; the engine and other requests are fine
         raise request_failed(failed)
-    spec = bool(body.get("return_spec_stats"))
-    return JSONResponse(protocol.final_response(ctx, finals, params.n, logprobs, spec))
+    return JSONResponse(protocol.final_response(ctx, finals, with_spec_stats))
 
 
 def request_failed(out: RequestOutput) -> APIError:
@@ -228,30 +228,23 @@ def request_failed(out: RequestOutput) -> APIError:
     return APIError(out.error, status=500, type="server_error")
 
 
-async def _add_all(state, ctx, ids, params, lora, body, what) -> list[RequestStream]:
-    """Submit every prompt, or none: a refused one aborts those already added."""
+async def _add_all(state, request_id, ids, params, lora, body, what) -> list[RequestStream]:
+    """Submit every prompt (as request_id-0, -1, ...), or none: a refused one aborts those
+    already added."""
     streams: list[RequestStream] = []
     try:
         for i, prompt in enumerate(ids):
-            streams.append(
-                await state.engine.add_request(
-                    f"{ctx.id}-{i}",
-                    prompt,
-                    params,
-                    lora_request=lora,
-                    cache_salt=body.get("cache_salt"),
-                )
+            stream = await state.engine.add_request(
+                f"{request_id}-{i}", prompt, params, lora, cache_salt=body.get("cache_salt")
             )
+            streams.append(stream)
     except BaseException as exc:
         for s in streams:
             s.close()
         if isinstance(exc, EngineDeadError):
             raise APIError(str(exc), status=503, type="server_error") from None
         if isinstance(exc, ValueError):
-            error = protocol.constraint_error(protocol.from_value_error(exc, what), body)
-            if error.param == "prompt":  # the engine's word for what chat calls messages
-                error.param = what
-            raise error from None
+            raise protocol.param_error(exc, body, what) from None
         raise
     return streams
 
@@ -313,61 +306,52 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
 
 
 async def _sse(
-    ctx: ResponseContext,
-    streams: list[RequestStream],
-    n: int,
-    logprobs,
-    with_usage: bool,
-    with_spec_stats: bool = False,
+    ctx: ResponseContext, streams: list[RequestStream], with_usage: bool, with_spec_stats: bool
 ) -> AsyncIterator[str]:
     """Server-sent events: a chunk per engine output with what is new, a last chunk with the
     usage and (when asked) the speculation counters, [DONE].
     A disconnect cancels this generator, and closing the merged streams aborts the requests."""
-
-    def event(payload: dict) -> str:
-        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
     if ctx.kind == "chat":  # the role comes first, on its own
+        role = {"role": "assistant", "content": ""}
         first = [
-            {
-                "index": i,
-                "delta": {"role": "assistant", "content": ""},
-                "logprobs": None,
-                "finish_reason": None,
-            }
-            for i in range(len(streams) * n)
+            {"index": i, "delta": role, "logprobs": None, "finish_reason": None}
+            for i in range(len(streams) * ctx.n)
         ]
-        yield event(ctx.envelope(first, chunk=True))
-    prompt_tokens: dict[int, int] = {}
-    completion_tokens: dict[int, int] = {}
-    last: dict[int, RequestOutput] = {}  # its metrics are the request's, up to date
+        yield _event(ctx.envelope(first, chunk=True))
+    last: dict[int, RequestOutput] = {}  # prompt index -> its latest output (metrics up to date)
+    num_completion_tokens = 0
     try:
         async for i, out in _merge(streams):  # each output holds only what is new
             if out.error:
                 raise request_failed(out)
-            prompt_tokens[i], last[i] = len(out.prompt_token_ids), out
-            choices = []
-            for c in out.outputs:
-                index = i * n + c.index
-                completion_tokens[index] = completion_tokens.get(index, 0) + len(c.token_ids)
-                choices.append(protocol.choice(ctx, index, c, logprobs, delta=True))
+            last[i] = out
+            num_completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+            choices = [protocol.choice(ctx, i * ctx.n + c.index, c, True) for c in out.outputs]
             if choices:
-                yield event(ctx.envelope(choices, chunk=True))
+                yield _event(ctx.envelope(choices, chunk=True))
     except (APIError, EngineDeadError, ValueError) as exc:
         if not isinstance(exc, APIError):
             exc = APIError(str(exc), status=500, type="server_error")
-        yield event(exc.body())
+        yield _event(exc.body())
         yield "data: [DONE]\n\n"
         return
     if with_usage or with_spec_stats:
         tail = ctx.envelope([], chunk=True)
         if with_usage:
-            tokens = sum(prompt_tokens.values()), sum(completion_tokens.values())
-            tail["usage"] = protocol.usage(*tokens)
+            num_prompt_tokens = sum(len(out.prompt_token_ids) for out in last.values())
+            tail["usage"] = protocol.usage(num_prompt_tokens, num_completion_tokens)
         if with_spec_stats:
             tail["speculation"] = protocol.spec_stats(list(last.values()))
-        yield event(tail)
+        yield _event(tail)
     yield "data: [DONE]\n\n"
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
 
 
 class BodySizeLimit:
@@ -382,7 +366,7 @@ class BodySizeLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._refuse(send)
+            return await self._refuse(scope, receive, send)
         messages, seen = [], 0
         while True:
             message = await receive()
@@ -391,7 +375,7 @@ class BodySizeLimit:
                 break
             seen += len(message.get("body", b""))
             if seen > self.max_bytes:
-                return await self._refuse(send)
+                return await self._refuse(scope, receive, send)
             if not message.get("more_body", False):
                 break
 
@@ -400,17 +384,9 @@ class BodySizeLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, send) -> None:
+    async def _refuse(self, scope, receive, send) -> None:
         err = APIError(f"request body exceeds {self.max_bytes} bytes", status=413)
-        payload = json.dumps(err.body()).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [(b"content-type", b"application/json")],
-            }
-        )
-        await send({"type": "http.response.body", "body": payload})
+        await _error_response(err)(scope, receive, send)
 
 
 _KEYED_PATHS = ("/v1", "/tokenize", "/detokenize")
@@ -430,5 +406,5 @@ class APIKeyCheck:
             token = given[7:] if given[:7].lower() == b"bearer " else b""
             if not hmac.compare_digest(token, self.key):
                 err = APIError("invalid or missing API key", status=401, code="invalid_api_key")
-                return await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                return await _error_response(err)(scope, receive, send)
         return await self.app(scope, receive, send)

@@ -8,8 +8,7 @@ import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass, fields, replace
-from typing import Any
+from collections import namedtuple
 
 import gradio as gr
 from fastapi import FastAPI
@@ -35,36 +34,26 @@ LOAD_QUESTIONS = [
     "Describe a cat in one sentence.",
     "What is 12 times 12?",
 ]
-_PERSON_SCHEMA = {
-    "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
-    "required": ["name", "age"],
+_LOAD_CONSTRAINTS = {  # request index % 4 -> its constraint
+    1: {
+        "json": {
+            "type": "object",
+            "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+            "required": ["name", "age"],
+        }
+    },
+    3: {"choice": ["yes", "no", "maybe"]},
 }
 
 
-@dataclass
-class Form:
-    """The generate form's fields, in the order its handler (and the `generate` API endpoint)
-    takes them: the components when the page is built, their values when a request comes."""
-
-    mode: Any
-    prompt: Any
-    temperature: Any
-    top_p: Any
-    top_k: Any
-    max_tokens: Any
-    seed: Any
-    method: Any
-    k: Any
-    adaptive: Any
-    adapter: Any
-    constraint_kind: Any
-    constraint_text: Any
-
-
-def astuple_shallow(form: Form) -> list:
-    """The fields' values in order (dataclasses.astuple would deep-copy the components)."""
-    return [getattr(form, f.name) for f in fields(form)]
+# The generate form's fields, in the order its handler (and the `generate` API endpoint) takes
+# them: the components when the page is built, their values when a request comes.
+Form = namedtuple(
+    "Form",
+    "mode prompt temperature top_p top_k max_tokens seed method k adaptive adapter "
+    "constraint_kind constraint_text",
+)
+_CONSTRAINT_KEYS = {"json schema": "json", "regex": "regex", "grammar (EBNF)": "grammar"}
 
 
 def constraint_from(kind: str, text: str) -> dict | None:
@@ -73,18 +62,16 @@ def constraint_from(kind: str, text: str) -> dict | None:
         return None
     if not text:
         raise ValueError(f"constraint: {kind} needs a value in the box")
-    if kind == "json schema":
-        try:
-            return {"json": json.loads(text)}
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"constraint: the JSON schema is not valid JSON: {exc}") from None
-    if kind == "regex":
-        return {"regex": text}
-    if kind == "grammar (EBNF)":
-        return {"grammar": text}
     if kind == "choice":
         return {"choice": [line.strip() for line in text.splitlines() if line.strip()]}
-    raise ValueError(f"constraint: unknown kind {kind!r}")
+    if kind not in _CONSTRAINT_KEYS:
+        raise ValueError(f"constraint: unknown kind {kind!r}")
+    if kind == "json schema":
+        try:
+            text = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"constraint: the JSON schema is not valid JSON: {exc}") from None
+    return {_CONSTRAINT_KEYS[kind]: text}
 
 
 def spec_k(method: str, k: int, adaptive: bool) -> int | None:
@@ -104,57 +91,44 @@ class Playground:
     async def generate(self, *values):
         """Stream one request (values: the form's, in Form's order): yields (token-shaded
         HTML, stats line)."""
-        state, form = self.state, Form(*values)
         try:
-            seed = form.seed
-            params = SamplingParams(
-                temperature=float(form.temperature),
-                top_p=float(form.top_p),
-                top_k=int(form.top_k),
-                max_tokens=int(form.max_tokens),
-                seed=None if seed is None or int(seed) < 0 else int(seed),
-                num_speculative_tokens=spec_k(form.method, form.k, form.adaptive),
-                structured_outputs=constraint_from(form.constraint_kind, form.constraint_text),
-            )
-            prompt = form.prompt
-            if not (prompt or "").strip():
-                raise ValueError("prompt is empty")
-            if form.mode == "chat":
-                ids = chat_prompt_ids(state.tokenizer, [{"role": "user", "content": prompt}])
-            else:
-                ids = state.tokenizer.encode(prompt)
-            adapter = form.adapter
-            lora = state.adapters.get(adapter) if adapter and adapter != BASE else None
-            stream = await state.engine.add_request(
-                f"ui-{uuid.uuid4().hex[:8]}", ids, params, lora_request=lora
-            )
+            stream = await self._submit(Form(*values))
         except ValueError as exc:
             raise gr.Error(str(exc)) from None
-        pieces = views.TokenPieces(state.tokenizer)
+        tokenizer = self.state.tokenizer
+        pieces = views.TokenPieces(tokenizer)
         start = time.monotonic()
         try:
             async for out in stream.cumulative():
                 c = out.outputs[0]
-                texts = pieces.update(c.token_ids)
-                rejected = [(pos, state.tokenizer.decode(ids_)) for pos, ids_ in c.rejected_drafts]
-                html = views.render_tokens(texts, c.token_kinds, rejected)
-                yield html, self._stats(out, time.monotonic() - start)
+                rejected = [(pos, tokenizer.decode(ids)) for pos, ids in c.rejected_drafts]
+                html = views.render_tokens(pieces.update(c.token_ids), c.token_kinds, rejected)
+                yield html, _stats(out, time.monotonic() - start)
         finally:
             stream.close()
 
-    def _stats(self, out, seconds: float) -> str:
-        c = out.outputs[0]
-        kinds = c.token_kinds
-        n = len(c.token_ids)
-        line = (
-            f"{n} tokens in {seconds:.1f} s ({n / seconds if seconds else 0:.1f} tokens/s) · "
-            f"prompt {len(out.prompt_token_ids)} tokens, {out.num_cached_tokens} from cache · "
-            f"accepted drafts {kinds.count('a')}, forced {kinds.count('f')}, "
-            f"bonus {kinds.count('b')}, resampled {kinds.count('r')}"
+    async def _submit(self, form: Form):
+        """The form's request, added to the engine; ValueError for a bad field."""
+        seed = None if form.seed is None or int(form.seed) < 0 else int(form.seed)
+        params = SamplingParams(
+            temperature=float(form.temperature),
+            top_p=float(form.top_p),
+            top_k=int(form.top_k),
+            max_tokens=int(form.max_tokens),
+            seed=seed,
+            num_speculative_tokens=spec_k(form.method, form.k, form.adaptive),
+            structured_outputs=constraint_from(form.constraint_kind, form.constraint_text),
         )
-        if c.finish_reason:
-            line += f" · finished: {c.finish_reason}"
-        return line
+        if not (form.prompt or "").strip():
+            raise ValueError("prompt is empty")
+        tokenizer = self.state.tokenizer
+        if form.mode == "chat":
+            ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": form.prompt}])
+        else:
+            ids = tokenizer.encode(form.prompt)
+        lora = self.state.adapters.get(form.adapter) if form.adapter != BASE else None
+        request_id = f"ui-{uuid.uuid4().hex[:8]}"
+        return await self.state.engine.add_request(request_id, ids, params, lora_request=lora)
 
     async def refresh(self):
         snap = await asyncio.to_thread(self.state.engine.snapshot)
@@ -167,29 +141,10 @@ class Playground:
         )
 
     async def load_test(self, num_requests):
-        """N concurrent requests: half share a system prompt, every third uses an adapter (if
-        any), every fourth is constrained. The first goes ahead until its first token, so its
-        prompt blocks are cached when the others arrive (requests admitted in the same step do
-        not share what none of them has computed yet). Returns a summary line."""
-        state = self.state
-        adapters = list(state.adapters.values())
-        jobs = []
-        for i in range(int(num_requests)):
-            question = LOAD_QUESTIONS[i % len(LOAD_QUESTIONS)]
-            messages = [{"role": "user", "content": question}]
-            if i % 2 == 0:
-                messages.insert(0, {"role": "system", "content": SYSTEM_PROMPT})
-            constraint = None
-            if i % 4 == 1:
-                constraint = {"json": _PERSON_SCHEMA}
-            elif i % 4 == 3:
-                constraint = {"choice": ["yes", "no", "maybe"]}
-            params = SamplingParams(
-                temperature=0.7, seed=i, max_tokens=48, structured_outputs=constraint
-            )
-            lora = adapters[(i // 3) % len(adapters)] if adapters and i % 3 == 2 else None
-            ids = chat_prompt_ids(state.tokenizer, messages)
-            jobs.append((f"load-{i}-{uuid.uuid4().hex[:6]}", ids, params, lora))
+        """N concurrent requests (see _load_jobs). The first goes ahead until its first token,
+        so its prompt blocks are cached when the others arrive (requests admitted in the same
+        step do not share what none of them has computed yet). Returns a summary line."""
+        jobs = self._load_jobs(int(num_requests))
         start = time.monotonic()
         started = asyncio.Event()
         first = asyncio.ensure_future(self._run_one(*jobs[0], started))
@@ -209,6 +164,24 @@ class Playground:
         if errors:
             summary += f"; {len(errors)} failed: {errors[0]!r}"
         return summary
+
+    def _load_jobs(self, num_requests: int) -> list[tuple]:
+        """(request id, prompt ids, params, adapter) per request: half share a system prompt,
+        every third uses an adapter (if any), every fourth is constrained."""
+        adapters = list(self.state.adapters.values())
+        jobs = []
+        for i in range(num_requests):
+            messages = [{"role": "user", "content": LOAD_QUESTIONS[i % len(LOAD_QUESTIONS)]}]
+            if i % 2 == 0:
+                messages.insert(0, {"role": "system", "content": SYSTEM_PROMPT})
+            constraint = _LOAD_CONSTRAINTS.get(i % 4)
+            params = SamplingParams(
+                temperature=0.7, seed=i, max_tokens=48, structured_outputs=constraint
+            )
+            lora = adapters[(i // 3) % len(adapters)] if adapters and i % 3 == 2 else None
+            ids = chat_prompt_ids(self.state.tokenizer, messages)
+            jobs.append((f"load-{i}-{uuid.uuid4().hex[:6]}", ids, params, lora))
+        return jobs
 
     async def _run_one(self, request_id, ids, params, lora, started=None):
         """The request's finished output; `started` (an asyncio.Event), if given, is set at its
@@ -272,7 +245,7 @@ class Playground:
                     output = gr.HTML(elem_id="output")
                     stats = gr.Markdown(elem_id="stats")
                 with gr.Column(scale=2):
-                    form = replace(self._controls(), mode=mode, prompt=prompt)
+                    form = self._controls()._replace(mode=mode, prompt=prompt)
                     with gr.Accordion("Load test", open=True):
                         num_requests = gr.Slider(2, 32, value=12, step=1, label="requests")
                         load = gr.Button("Run load test", elem_id="load-test")
@@ -286,18 +259,15 @@ class Playground:
                     spec_view = gr.HTML(elem_id="spec-view")
                 with gr.Tab("Adapters"):
                     adapters_view = gr.HTML(elem_id="adapters-view")
-            inputs = astuple_shallow(form)
-            run = go.click(
+            run = gr.on(
+                [go.click, prompt.submit],
                 self.generate,
-                inputs,
+                list(form),
                 [output, stats],
                 api_name="generate",
                 concurrency_limit=None,
             )
-            submit = prompt.submit(
-                self.generate, inputs, [output, stats], api_name=False, concurrency_limit=None
-            )
-            stop.click(None, cancels=[run, submit])
+            stop.click(None, cancels=[run])
             load.click(
                 self.load_test,
                 [num_requests],
@@ -309,6 +279,21 @@ class Playground:
             gr.Timer(0.5).tick(self.refresh, None, live, api_name="views", concurrency_limit=None)
             demo.load(self.refresh, None, live, api_name=False)
         return demo
+
+
+def _stats(out, seconds: float) -> str:
+    c = out.outputs[0]
+    kinds = c.token_kinds
+    n = len(c.token_ids)
+    line = (
+        f"{n} tokens in {seconds:.1f} s ({n / seconds if seconds else 0:.1f} tokens/s) · "
+        f"prompt {len(out.prompt_token_ids)} tokens, {out.num_cached_tokens} from cache · "
+        f"accepted drafts {kinds.count('a')}, forced {kinds.count('f')}, "
+        f"bonus {kinds.count('b')}, resampled {kinds.count('r')}"
+    )
+    if c.finish_reason:
+        line += f" · finished: {c.finish_reason}"
+    return line
 
 
 def mount_playground(app: FastAPI, state: ServerState) -> FastAPI:

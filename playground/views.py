@@ -104,8 +104,6 @@ class History:
                 "drafted": spec["num_drafts"],
                 "accepted": spec["num_accepted"],
                 "tokens": snap["num_generated_tokens"],
-                "used": snap["num_used_blocks"],
-                "running": snap["num_running"],
             }
         )
 

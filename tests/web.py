@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from playground.async_engine import AsyncEngine
-from playground.launch import serving_in_thread as serving
+from playground.launch import free_port
 from playground.server import ServerState
 
 __all__ = ["API_KEY", "make_state", "serving", "wait_idle"]
@@ -19,6 +22,28 @@ def make_state(model: str, adapters=None, **config) -> ServerState:
     for a in (adapters or {}).values():
         engine.load_lora(a)
     return ServerState(AsyncEngine(engine), model, dict(adapters or {}), api_key=API_KEY)
+
+
+@contextmanager
+def serving(app, host: str = "127.0.0.1") -> Iterator[str]:
+    """Run an ASGI app with uvicorn in a background thread on a free port; yields its URL
+    (tests)."""
+    import uvicorn
+
+    port = free_port(host)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
 
 
 def wait_idle(engine, timeout: float = 15.0) -> dict:
