@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.llm import chat_prompt_ids
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.spec_stats import SpecStats
+from engine.tools import ToolCallParser
 
 
 @dataclass(eq=False)
@@ -217,19 +218,13 @@ def _token_key(key):
         raise APIError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
 
 
-def refuse_unsupported(body: dict, chat: bool) -> None:
-    if not chat:
-        if body.get("echo"):
-            raise APIError("echo is not supported", "echo")
-        if body.get("suffix"):
-            raise APIError("suffix is not supported", "suffix")
-        best_of = body.get("best_of")
-        if best_of is not None and best_of != body.get("n", 1):
-            raise APIError("best_of is not supported (it must equal n)", "best_of")
-    elif body.get("tools"):
-        raise APIError("tools are not supported", "tools")
-    elif body.get("tool_choice") not in (None, "none"):
-        raise APIError("tool_choice is not supported", "tool_choice")
+def refuse_unsupported(body: dict) -> None:
+    """Completion fields the engine does not serve."""
+    if body.get("suffix"):
+        raise APIError("suffix is not supported", "suffix")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != body.get("n", 1):
+        raise APIError("best_of is not supported (it must equal n)", "best_of")
 
 
 def include_usage(body: dict) -> bool:
@@ -239,6 +234,8 @@ def include_usage(body: dict) -> bool:
 
 
 def check_messages(messages: list) -> list[dict]:
+    """Chat messages with their content as text; an assistant's tool_calls and a tool result's
+    tool_call_id are kept (engine.tools.render_messages checks the calls)."""
     if not messages:
         raise APIError("messages must be a non-empty array", "messages")
     out = []
@@ -248,22 +245,30 @@ def check_messages(messages: list) -> list[dict]:
                 f"messages[{i}] needs a role of system, user, assistant or tool, got {m!r:.100}",
                 "messages",
             )
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: text only
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text":
-                    raise APIError(
-                        f"messages[{i}].content: only text parts are supported", "messages"
-                    )
-                texts.append(str(part.get("text", "")))
-            content = "".join(texts)
-        if not isinstance(content, str):
-            raise APIError(
-                f"messages[{i}].content must be a string, got {content!r:.100}", "messages"
-            )
-        out.append({"role": m["role"], "content": content})
+        message = {"role": m["role"], "content": _text_content(i, m)}
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            message["tool_calls"] = m["tool_calls"]
+        if m["role"] == "tool" and m.get("tool_call_id") is not None:
+            message["tool_call_id"] = str(m["tool_call_id"])
+        out.append(message)
     return out
+
+
+def _text_content(i: int, m: dict) -> str | None:
+    """A message's content as one string (None only beside an assistant's tool calls)."""
+    content = m.get("content")
+    if content is None and m["role"] == "assistant" and m.get("tool_calls"):
+        return None
+    if isinstance(content, list):  # content parts: text only
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise APIError(f"messages[{i}].content: only text parts are supported", "messages")
+            texts.append(str(part.get("text", "")))
+        content = "".join(texts)
+    if not isinstance(content, str):
+        raise APIError(f"messages[{i}].content must be a string, got {content!r:.100}", "messages")
+    return content
 
 
 def tokenize(body: dict, tokenizer, max_model_len: int) -> dict:
@@ -328,15 +333,31 @@ def completion_prompts(prompt) -> list[str | list[int]]:
 
 # ---- responses -----------------------------------------------------------------------------
 @dataclass
+class Echo:
+    """What /v1/completions' echo puts before a prompt's completions."""
+
+    text: str  # the prompt as given (token ids decoded)
+    first_token: str  # its first token's text (the one token without a logprob)
+    only: bool = False  # max_tokens 0: the prompt alone, no completion
+
+
+@dataclass
 class ResponseContext:
-    """What shapes one request's responses: its kind and model, and n and logprobs as asked."""
+    """What shapes one request's responses: its kind and model, n and logprobs as asked, echo
+    per prompt (completions), whether chat answers are read for tool calls, and what a stream
+    has sent so far of each choice (its tool-call parser; whether its echo went out)."""
 
     kind: str  # "completion" | "chat"
     model: str
     n: int = 1  # choices per prompt: prompt i's choice j is choices[i * n + j]
     logprobs: int | None = None  # top logprobs per token; None: no logprobs
+    echoes: list[Echo] | None = None  # per prompt
+    tools: bool = False
+    with_prompt_logprobs: bool = False  # vLLM's prompt_logprobs field, when asked for
     id: str = ""
     created: int = 0
+    parsers: dict[int, ToolCallParser] = field(default_factory=dict)
+    echoed: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
@@ -356,6 +377,10 @@ class ResponseContext:
             "choices": choices,
         }
 
+    @property
+    def echo_only(self) -> bool:
+        return bool(self.echoes) and self.echoes[0].only
+
 
 def usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict:
     return {
@@ -372,23 +397,39 @@ def _top(position: dict[int, Logprob], limit: int) -> list[tuple[int, Logprob]]:
     )
 
 
-def completion_logprobs(c: CompletionOutput, limit: int) -> dict:
-    """Completions' logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
-    tokens, token_lps, tops, offsets = [], [], [], []
-    offset = 0
-    for token, position in zip(c.token_ids, c.logprobs or [], strict=False):
+Entries = tuple[list[str], list[float | None], list[dict | None]]  # tokens, logprobs, tops
+
+
+def _entries(token_ids, positions, limit: int) -> Entries:
+    tokens, token_lps, tops = [], [], []
+    for token, position in zip(token_ids, positions, strict=False):
         chosen = position[token]
-        text = chosen.decoded_token or ""
-        tokens.append(text)
+        tokens.append(chosen.decoded_token or "")
         token_lps.append(chosen.logprob)
         tops.append({lp.decoded_token: lp.logprob for _, lp in _top(position, limit)})
-        offsets.append(offset)
-        offset += len(text)
+    return tokens, token_lps, tops
+
+
+def _echo_entries(out: RequestOutput, echo: Echo, limit: int) -> Entries:
+    """The prompt's tokens: OpenAI's echo gives the first no logprob (null)."""
+    tokens, token_lps, tops = _entries(out.prompt_token_ids[1:], out.prompt_logprobs[1:], limit)
+    return [echo.first_token, *tokens], [None, *token_lps], [None, *tops]
+
+
+def completion_logprobs(c: CompletionOutput, limit: int, prefix: Entries | None = None) -> dict:
+    """Completions' logprobs: tokens, token_logprobs, top_logprobs, text_offset (prefix: the
+    echoed prompt's, first)."""
+    tokens, token_lps, tops = _entries(c.token_ids, c.logprobs or [], limit)
+    if prefix is not None:
+        tokens, token_lps, tops = prefix[0] + tokens, prefix[1] + token_lps, prefix[2] + tops
+    offsets = [0]
+    for text in tokens[:-1]:
+        offsets.append(offsets[-1] + len(text))
     return {
         "tokens": tokens,
         "token_logprobs": token_lps,
         "top_logprobs": tops,
-        "text_offset": offsets,
+        "text_offset": offsets[: len(tokens)],
     }
 
 
@@ -404,24 +445,67 @@ def chat_logprobs(c: CompletionOutput, limit: int) -> dict:
     return {"content": content}
 
 
-def choice(ctx: ResponseContext, index: int, c: CompletionOutput, delta: bool) -> dict:
-    """One choice: whole (delta=False) or a stream chunk's piece (c holds only what is new)."""
-    lps = None
-    if ctx.logprobs is not None and c.logprobs is not None:
-        to_dict = chat_logprobs if ctx.kind == "chat" else completion_logprobs
-        lps = to_dict(c, ctx.logprobs)
-    out: dict = {"index": index}
-    if ctx.kind == "chat" and delta:
-        out["delta"] = {"content": c.text}
-    elif ctx.kind == "chat":
-        out["message"] = {"role": "assistant", "content": c.text}
+def choice(
+    ctx: ResponseContext, index: int, c: CompletionOutput, delta: bool, out: RequestOutput
+) -> dict:
+    """One choice: whole (delta=False) or a stream chunk's piece (c holds only what is new;
+    out is the output it came in)."""
+    if ctx.kind == "chat":
+        body = _chat_choice(ctx, index, c, delta)
     else:
-        out["text"] = c.text
-    out["logprobs"] = lps
-    out["finish_reason"] = c.finish_reason
-    if c.finish_reason is not None:
-        out["stop_reason"] = c.stop_reason
-    return out
+        body = _completion_choice(ctx, index, c, delta, out)
+    if ctx.logprobs is not None and ctx.kind == "chat" and c.logprobs is not None:
+        body["logprobs"] = chat_logprobs(c, ctx.logprobs)
+    body.setdefault("logprobs", None)
+    if body["finish_reason"] is not None:
+        body["stop_reason"] = c.stop_reason
+    return body
+
+
+def _chat_choice(ctx: ResponseContext, index: int, c: CompletionOutput, delta: bool) -> dict:
+    finish = c.finish_reason
+    if not ctx.tools and delta:
+        return {"index": index, "delta": {"content": c.text}, "finish_reason": finish}
+    if not ctx.tools:
+        message = {"role": "assistant", "content": c.text}
+        return {"index": index, "message": message, "finish_reason": finish}
+    parser = ctx.parsers.setdefault(index, ToolCallParser()) if delta else ToolCallParser()
+    new = parser.feed(parser.text + c.text)
+    if finish is not None:
+        new.content += parser.finish().content
+    if parser.calls and finish == "stop":
+        finish = "tool_calls"
+    if delta:
+        piece = {"content": new.content} if new.content else {}
+        if new.calls:
+            piece["tool_calls"] = new.calls
+        return {"index": index, "delta": piece, "finish_reason": finish}
+    message = {"role": "assistant", "content": parser.content}
+    if parser.calls:
+        message["tool_calls"] = [
+            {"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}}
+            for t in parser.tool_calls
+        ]
+    return {"index": index, "message": message, "finish_reason": finish}
+
+
+def _completion_choice(
+    ctx: ResponseContext, index: int, c: CompletionOutput, delta: bool, out: RequestOutput
+) -> dict:
+    """A completion's text, with the prompt before it the first time when echo is on."""
+    echo = ctx.echoes[index // ctx.n] if ctx.echoes else None
+    prefix = echo is not None and index not in ctx.echoed
+    if prefix and delta:
+        ctx.echoed.add(index)
+    if echo is not None and echo.only:  # the one token generated is not part of the answer
+        finish = "length" if c.finish_reason else None
+        c = CompletionOutput(c.index, "", [], logprobs=[], finish_reason=finish)
+    text = (echo.text if prefix else "") + c.text
+    body: dict = {"index": index, "text": text, "finish_reason": c.finish_reason}
+    if ctx.logprobs is not None and c.logprobs is not None:
+        head = _echo_entries(out, echo, ctx.logprobs) if prefix else None
+        body["logprobs"] = completion_logprobs(c, ctx.logprobs, head)
+    return body
 
 
 def spec_stats(outs: list[RequestOutput]) -> dict:
@@ -448,15 +532,20 @@ def final_response(
     choices = []
     for i, out in enumerate(outs):
         for c in out.outputs:
-            choices.append(choice(ctx, i * ctx.n + c.index, c, delta=False))
-            if out.prompt_logprobs is not None:
+            choices.append(choice(ctx, i * ctx.n + c.index, c, False, out))
+            if ctx.with_prompt_logprobs:
                 choices[-1]["prompt_logprobs"] = _prompt_logprobs(out)
     body = ctx.envelope(choices)
     body["usage"] = usage(
         sum(len(out.prompt_token_ids) for out in outs),
-        sum(len(c.token_ids) for out in outs for c in out.outputs),
+        completion_tokens(ctx, outs),
         sum(out.num_cached_tokens for out in outs),
     )
     if with_spec_stats:
         body["speculation"] = spec_stats(outs)
     return body
+
+
+def completion_tokens(ctx: ResponseContext, outs: list[RequestOutput]) -> int:
+    """Tokens the answer holds (none when echo shows the prompt alone)."""
+    return 0 if ctx.echo_only else sum(len(c.token_ids) for out in outs for c in out.outputs)

@@ -7,6 +7,7 @@ Every request from every client goes into the same engine loop and is batched wi
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import time
@@ -19,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.llm import chat_prompt_ids
 from engine.outputs import RequestOutput
+from engine.tools import Tools
 from lora.adapter import LoRARequest
 from playground import protocol
 from playground.async_engine import AsyncEngine, EngineDeadError, RequestStream
@@ -149,23 +151,49 @@ async def _json(request: Request):
 
 
 async def _completion_inputs(state: ServerState, body: dict):
-    """(prompts' token ids, sampling params, adapter) of a /v1/completions body."""
+    """(prompts' token ids, sampling params, adapter, response context fields) of a
+    /v1/completions body. echo puts each prompt before its completions (with logprobs, the
+    prompt's too); max_tokens 0 then answers the prompt alone (one token is generated and
+    dropped, as vLLM does)."""
     if body.get("prompt") is None:
         raise APIError("prompt is required", "prompt")
     lora = state.lora_for(body.get("model"))
     prompts = protocol.completion_prompts(body["prompt"])
+    echo, only = bool(body.get("echo")), body.get("max_tokens") == 0
+    if only and not echo:
+        raise APIError("max_tokens must be >= 1 (0 only with echo: the prompt alone)", "max_tokens")
     ids = await asyncio.to_thread(_encode_all, state, prompts)
-    extra = {"logprobs": body.get("logprobs"), "prompt_logprobs": body.get("prompt_logprobs")}
-    return ids, protocol.sampling_params(body, 16, **extra), lora
+    logprobs, prompt_logprobs = body.get("logprobs"), body.get("prompt_logprobs")
+    if echo and logprobs is not None:
+        prompt_logprobs = max(logprobs, prompt_logprobs or 0)
+    params = protocol.sampling_params(
+        body,
+        16,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        max_tokens=1 if only else None,
+    )
+    fields = {"with_prompt_logprobs": body.get("prompt_logprobs") is not None}
+    if echo:
+        fields["echoes"] = await asyncio.to_thread(_echoes, state, prompts, ids, only)
+    return ids, params, lora, fields
+
+
+def _echoes(state: ServerState, prompts, ids, only: bool) -> list[protocol.Echo]:
+    decode = functools.partial(state.engine.engine.decoder, skip_special_tokens=False)
+    return [
+        protocol.Echo(p if isinstance(p, str) else decode(p), decode(i[:1]), only)
+        for p, i in zip(prompts, ids, strict=True)
+    ]
 
 
 async def _chat_inputs(state: ServerState, body: dict):
-    """(the prompt's token ids, as one list, sampling params, adapter) of a chat body."""
+    """(the prompt's token ids, as one list, sampling params, adapter, response context
+    fields) of a chat body."""
     lora = state.lora_for(body.get("model"))
     messages = protocol.check_messages(body.get("messages") or [])
     if not getattr(state.tokenizer, "chat_template", None):
         raise APIError("this model has no chat template; use /v1/completions", "messages")
-    ids = await asyncio.to_thread(chat_prompt_ids, state.tokenizer, messages)
     top = body.get("top_logprobs")
     if top is not None and not body.get("logprobs"):
         raise APIError("top_logprobs needs logprobs=true", "top_logprobs")
@@ -173,7 +201,16 @@ async def _chat_inputs(state: ServerState, body: dict):
     # max_completion_tokens is OpenAI's newer name; it wins over max_tokens when both are given.
     max_tokens = body.get("max_completion_tokens")
     params = protocol.sampling_params(body, None, logprobs=logprobs, max_tokens=max_tokens)
-    return [ids], params, lora
+    try:
+        tools = Tools.parse(
+            body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")
+        )
+        shown = tools.in_prompt if tools else None
+        ids = await asyncio.to_thread(chat_prompt_ids, state.tokenizer, messages, tools=shown)
+        params = tools.apply(params) if tools else params
+    except ValueError as exc:
+        raise protocol.param_error(exc, body, "messages") from None
+    return [ids], params, lora, {"tools": tools is not None and tools.choice != "none"}
 
 
 def _encode_all(state: ServerState, prompts: list[str | list[int]]) -> list[list[int]]:
@@ -200,11 +237,12 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
     is_chat = kind == "chat"
     fields = protocol.CHAT_FIELDS if is_chat else protocol.COMPLETION_FIELDS
     body = protocol.check_fields(await _json(request), fields)
-    protocol.refuse_unsupported(body, chat=is_chat)
+    if not is_chat:
+        protocol.refuse_unsupported(body)
     inputs = _chat_inputs if is_chat else _completion_inputs
-    ids, params, lora = await inputs(state, body)
+    ids, params, lora, fields = await inputs(state, body)
     model = body.get("model") or state.model_name
-    ctx = ResponseContext(kind, model, n=params.n, logprobs=params.logprobs)
+    ctx = ResponseContext(kind, model, n=params.n, logprobs=params.logprobs, **fields)
     what = "messages" if is_chat else "prompt"
     _check_max_tokens(state, ids, params, what)
     streams = await _add_all(state, ctx.id, ids, params, lora, body, what)
@@ -325,8 +363,8 @@ async def _sse(
             if out.error:
                 raise request_failed(out)
             last[i] = out
-            num_completion_tokens += sum(len(c.token_ids) for c in out.outputs)
-            choices = [protocol.choice(ctx, i * ctx.n + c.index, c, True) for c in out.outputs]
+            num_completion_tokens += protocol.completion_tokens(ctx, [out])
+            choices = [protocol.choice(ctx, i * ctx.n + c.index, c, True, out) for c in out.outputs]
             if choices:
                 yield _event(ctx.envelope(choices, chunk=True))
     except (APIError, EngineDeadError, ValueError) as exc:

@@ -79,10 +79,35 @@ schema = st.recursive(
     ),
     max_leaves=8,
 )
+tool = st.one_of(
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["function", "function", "retrieval"])},
+        optional={
+            "function": st.fixed_dictionaries(
+                {"name": st.one_of(st.sampled_from(["f", "g", "a b", ""]), text)},
+                optional={"parameters": st.one_of(schema, anything), "description": text},
+            )
+        },
+    ),
+    anything,
+)
+tool_call = st.fixed_dictionaries(
+    {"id": text, "type": st.just("function")},
+    optional={
+        "function": st.fixed_dictionaries(
+            {"name": st.sampled_from(["f", "g"])},
+            optional={"arguments": st.one_of(text, st.just('{"x": 1}'), anything)},
+        )
+    },
+)
 message = st.one_of(
     st.fixed_dictionaries(
         {"role": st.sampled_from(["user", "system", "assistant", "tool", "bogus"])},
-        optional={"content": st.one_of(text, huge_text, anything)},
+        optional={
+            "content": st.one_of(text, huge_text, anything),
+            "tool_calls": st.one_of(st.lists(tool_call, max_size=2), anything),
+            "tool_call_id": st.one_of(text, anything),
+        },
     ),
     anything,
 )
@@ -153,6 +178,15 @@ CHAT = {
     "logprobs": st.booleans(),
     "top_logprobs": edge_int,
     "max_completion_tokens": edge_int,
+    "tools": st.lists(tool, max_size=3),
+    "tool_choice": st.one_of(
+        st.sampled_from(["none", "auto", "required", "any"]),
+        st.sampled_from(["f", "g", "h"]).map(
+            lambda n: {"type": "function", "function": {"name": n}}
+        ),
+        anything,
+    ),
+    "parallel_tool_calls": st.booleans(),
 }
 
 

@@ -7,43 +7,12 @@ import json
 
 import jsonschema
 import pytest
+from tools_cases import ADD_TOOL as ADD
+from tools_cases import SCHEMAS, TOOLS
 
 from engine import LLM, SamplingParams
 from engine.errors import ParamError
 from engine.tools import ToolCallParser, Tools, parse_tool_calls, render_messages
-
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "enum": ["Paris", "Lyon", "Nice"]},
-                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-                "days": {"type": "integer", "enum": [1, 2, 3]},
-            },
-            "required": ["city", "unit", "days"],
-            "additionalProperties": False,
-        },
-    },
-}
-ADD = {
-    "type": "function",
-    "function": {
-        "name": "add",
-        "description": "Add two integers",
-        "parameters": {
-            "type": "object",
-            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-            "required": ["a", "b"],
-            "additionalProperties": False,
-        },
-    },
-}
-TOOLS = [WEATHER, ADD]
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
 @pytest.mark.parametrize(

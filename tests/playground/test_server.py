@@ -10,6 +10,7 @@ import jsonschema
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from tools_cases import ADD_TOOL
 from web import API_KEY, wait_idle
 
 from engine import SamplingParams
@@ -201,6 +202,12 @@ def test_structured_outputs(client):
 
 
 LONG = "word " * 3000  # > 2048 tokens
+BAD_SCHEMA_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}
+NAMED_MUL = {"type": "function", "function": {"name": "mul"}}
+BAD_CALL_MESSAGE = {
+    "role": "assistant",
+    "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{"}}],
+}
 # (endpoint, body fields, status, param named, words the message must contain)
 ERRORS = [
     ("completions", {"temperature": -1}, 400, "temperature", ["temperature", "-1"]),
@@ -218,7 +225,8 @@ ERRORS = [
     ("completions", {"prompt": "hi", "max_tokens": 5000}, 400, "max_tokens", ["5000", "2048"]),
     ("completions", {"prompt": []}, 400, "prompt", ["prompt"]),
     ("completions", {"model": "nope"}, 404, "model", ["nope"]),
-    ("completions", {"echo": True}, 400, "echo", ["echo"]),
+    ("completions", {"max_tokens": 0, "echo": False}, 400, "max_tokens", ["0 only with echo"]),
+    ("completions", {"echo": "yes"}, 400, "echo", ["boolean"]),
     ("completions", {"frobnicate": 1}, 400, "frobnicate", ["frobnicate"]),
     ("completions", {"response_format": {"type": "xml"}}, 400, "response_format", ["xml"]),
     (
@@ -238,7 +246,25 @@ ERRORS = [
     ("chat", {"messages": []}, 400, "messages", ["messages"]),
     ("chat", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages", ["role"]),
     ("chat", {"messages": [{"role": "user", "content": LONG}]}, 400, "messages", ["2048"]),
-    ("chat", {"tools": [{"type": "function"}]}, 400, "tools", ["tools"]),
+    ("chat", {"tools": [{"type": "function"}]}, 400, "tools", ["tools[0]", "function"]),
+    ("chat", {"tools": [BAD_SCHEMA_TOOL]}, 400, "tools", ["parameters", "'not'"]),
+    ("chat", {"tools": [ADD_TOOL, ADD_TOOL]}, 400, "tools", ["same name"]),
+    ("chat", {"tools": [ADD_TOOL], "tool_choice": "any"}, 400, "tool_choice", ["any"]),
+    ("chat", {"tools": [ADD_TOOL], "tool_choice": NAMED_MUL}, 400, "tool_choice", ["mul"]),
+    ("chat", {"tool_choice": "required"}, 400, "tool_choice", ["needs tools"]),
+    (
+        "chat",
+        {
+            "tools": [ADD_TOOL],
+            "tool_choice": "required",
+            "response_format": {"type": "json_object"},
+        },
+        400,
+        "tool_choice",
+        ["cannot be combined"],
+    ),
+    ("chat", {"tools": [ADD_TOOL], "parallel_tool_calls": 1}, 400, "parallel_tool_calls", ["bool"]),
+    ("chat", {"messages": [BAD_CALL_MESSAGE]}, 400, "messages", ["arguments is not JSON"]),
     ("chat", {"top_logprobs": 2}, 400, "top_logprobs", ["logprobs"]),
     ("chat", {"presence_penalty": 3}, 400, "presence_penalty", ["presence_penalty"]),
 ]
