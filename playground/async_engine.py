@@ -236,6 +236,26 @@ class AsyncEngine:
             raise
         return RequestStream(self, request_id, stream)
 
+    async def call(self, fn: Callable[[], object]):
+        """fn() on the engine loop's thread, between steps; its result or exception."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def settle(result, error: BaseException | None) -> None:
+            if not done.done():
+                done.set_exception(error) if error else done.set_result(result)
+
+        def command() -> None:
+            try:
+                result = fn()
+            except Exception as exc:
+                loop.call_soon_threadsafe(settle, None, exc)
+                return
+            loop.call_soon_threadsafe(settle, result, None)
+
+        self._submit(command)
+        return await done
+
     def abort(self, request_id: str) -> None:
         def abort() -> None:
             self._streams.pop(request_id, None)

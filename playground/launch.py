@@ -9,6 +9,7 @@ import argparse
 import os
 import socket
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lora.adapter import LoRARequest
@@ -37,6 +38,10 @@ def add_server_args(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument("--no-adaptive-speculation", action="store_true")
     parser.add_argument(
         "--lora", action="append", default=[], metavar="NAME=PATH", help="a PEFT adapter dir"
+    )
+    parser.add_argument(
+        "--lora-dir",
+        help="allow POST /v1/load_lora_adapter for adapter directories inside this directory",
     )
     parser.add_argument("--max-loras", type=int, default=4)
     parser.add_argument("--max-lora-rank", type=int, default=16)
@@ -82,7 +87,7 @@ def build_state(args: argparse.Namespace, adapters: dict[str, LoRARequest]) -> S
         speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens,
         adaptive_speculation=not args.no_adaptive_speculation,
-        enable_lora=bool(adapters),
+        enable_lora=bool(adapters) or bool(args.lora_dir),
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
         max_model_len=args.max_model_len,
@@ -104,6 +109,7 @@ def build_state(args: argparse.Namespace, adapters: dict[str, LoRARequest]) -> S
         args.served_model_name or args.model,
         adapters,
         api_key=args.api_key,
+        lora_dir=Path(args.lora_dir) if args.lora_dir else None,
         **limits,
     )
 

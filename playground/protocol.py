@@ -114,6 +114,8 @@ TOKENIZE_FIELDS = {  # vLLM's /tokenize: a prompt, or chat messages
     "return_token_strs": (bool,),
 }
 DETOKENIZE_FIELDS = {"model": (str,), "tokens": (list,)}
+LOAD_LORA_FIELDS = {"lora_name": (str,), "lora_path": (str,)}  # vLLM's adapter hot-load
+UNLOAD_LORA_FIELDS = {"lora_name": (str,), "lora_int_id": (int,)}
 CHAT_FIELDS = {
     **_COMMON_FIELDS,
     "messages": (list,),

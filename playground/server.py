@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import suppress
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -39,6 +40,7 @@ class ServerState:
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     metrics: ServerMetrics | None = None
+    lora_dir: Path | None = None  # adapters may be hot-loaded from here (and only from here)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def model_card(self, name: str) -> dict:
@@ -131,6 +133,28 @@ def build_app(state: ServerState) -> FastAPI:
         text = await asyncio.to_thread(decoder, ids, skip_special_tokens=False)
         return {"prompt": text}
 
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        body = protocol.check_fields(await _json(request), protocol.LOAD_LORA_FIELDS)
+        adapter = _hot_adapter(state, body)
+        try:
+            await state.engine.call(lambda: state.engine.engine.load_lora(adapter))
+        except ValueError as exc:
+            raise APIError(str(exc), "lora_path") from None
+        state.adapters[adapter.name] = adapter
+        return Response(f"Success: LoRA adapter '{adapter.name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        body = protocol.check_fields(await _json(request), protocol.UNLOAD_LORA_FIELDS)
+        name = body.get("lora_name")
+        _check_hot_loading(state)
+        if name not in state.adapters:
+            raise APIError(f"no adapter named {name!r} is loaded", "lora_name", status=404)
+        del state.adapters[name]  # new requests no longer find it; running ones keep it
+        await state.engine.call(lambda: state.engine.engine.unload_lora(name))
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.")
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await _generate(state, request, "completion")
@@ -140,6 +164,27 @@ def build_app(state: ServerState) -> FastAPI:
         return await _generate(state, request, "chat")
 
     return app
+
+
+def _check_hot_loading(state: ServerState) -> None:
+    if state.lora_dir is None:
+        raise APIError("adapter loading is off: start the server with --lora-dir DIR", status=404)
+
+
+def _hot_adapter(state: ServerState, body: dict) -> LoRARequest:
+    """The adapter a load names: lora_path (default: lora_name) inside the server's lora_dir;
+    a path that leaves it (.., an absolute path elsewhere, a symlink out) is refused."""
+    _check_hot_loading(state)
+    name = body.get("lora_name")
+    if not name:
+        raise APIError("lora_name is required", "lora_name")
+    if name in state.adapters or name == state.model_name:
+        raise APIError(f"the name {name!r} is taken; unload it first", "lora_name")
+    root = state.lora_dir.resolve()
+    path = (root / body.get("lora_path", name)).resolve()
+    if not path.is_relative_to(root) or path == root:
+        raise APIError("lora_path must be a directory inside the server's --lora-dir", "lora_path")
+    return LoRARequest(name, str(path))
 
 
 async def _json(request: Request):

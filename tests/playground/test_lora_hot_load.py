@@ -1,0 +1,119 @@
+"""Adapter hot-load over HTTP: off unless the server has a --lora-dir; names resolve only inside
+it; loaded adapters serve at once; unloaded ones keep serving the requests already running."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+from web import API_KEY, make_state, serving, wait_idle
+
+from engine import SamplingParams
+from playground.server import build_app
+
+MODEL = "smollm2-135m-instruct"
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="module")
+def hot(demo_adapters):
+    """A server that may load adapters from the demo adapters' folder; none loaded at start."""
+    folder = Path(next(iter(demo_adapters.values())).path).parent
+    state = make_state(MODEL, None, quantization=None, num_kv_blocks=256, enable_lora=True)
+    state.lora_dir = folder
+    with serving(build_app(state)) as url:
+        yield url, state, folder
+    state.engine.shutdown()
+
+
+def post(url: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(url + path, json=body, headers=HEADERS, timeout=60)
+
+
+def models(url: str) -> list[str]:
+    return [m["id"] for m in httpx.get(url + "/v1/models", headers=HEADERS).json()["data"]]
+
+
+def completion(url: str, model: str, stream: bool = False) -> httpx.Response:
+    body = {"model": model, "prompt": "One, two,", "max_tokens": 12, "temperature": 0}
+    return post(url, "/v1/completions", body | {"stream": stream})
+
+
+def test_load_serve_unload(hot, offline, demo_adapters):
+    url, state, folder = hot
+    assert models(url) == [MODEL]
+    assert completion(url, "demo-lora-a").status_code == 404
+    r = post(url, "/v1/load_lora_adapter", {"lora_name": "demo-lora-a"})  # path: the name
+    assert r.status_code == 200 and "demo-lora-a" in r.text
+    r = post(url, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": "demo-lora-b"})
+    assert r.status_code == 200
+    assert models(url) == [MODEL, "demo-lora-a", "b"]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    for name, adapter in (("demo-lora-a", "demo-lora-a"), ("b", "demo-lora-b")):
+        got = completion(url, name).json()["choices"][0]["text"]
+        (ref,) = offline.generate(
+            "One, two,", params, use_tqdm=False, lora_request=demo_adapters[adapter]
+        )
+        assert got == ref.outputs[0].text
+    base = offline.generate("One, two,", params, use_tqdm=False)[0].outputs[0].text
+    assert got != base  # the adapter changes the answer, so the checks above can fail
+    # Unloaded while a stream runs: that request finishes with the adapter's weights.
+    with httpx.stream(
+        "POST",
+        url + "/v1/completions",
+        json={
+            "model": "b",
+            "prompt": "One, two,",
+            "max_tokens": 12,
+            "temperature": 0,
+            "stream": True,
+        },
+        headers=HEADERS,
+        timeout=60,
+    ) as stream:
+        lines = stream.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert post(url, "/v1/unload_lora_adapter", {"lora_name": "b"}).status_code == 200
+        rest = [line for line in lines if line.startswith("data: ")]
+    chunks = [json.loads(x[6:]) for x in [first, *rest] if x != "data: [DONE]"]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == got
+    assert models(url) == [MODEL, "demo-lora-a"]
+    assert completion(url, "b").status_code == 404
+    assert post(url, "/v1/unload_lora_adapter", {"lora_name": "demo-lora-a"}).status_code == 200
+    snap = wait_idle(state.engine)
+    assert snap["num_free_blocks"] == snap["num_blocks"]
+
+
+@pytest.mark.parametrize(
+    "body, status, param, words",
+    [
+        ({"lora_name": "x", "lora_path": "../../etc"}, 400, "lora_path", ["--lora-dir"]),
+        ({"lora_name": "x", "lora_path": "/etc"}, 400, "lora_path", ["--lora-dir"]),
+        ({"lora_name": "x", "lora_path": "."}, 400, "lora_path", ["--lora-dir"]),
+        ({"lora_name": "x", "lora_path": "missing"}, 400, "lora_path", ["missing"]),
+        ({"lora_name": MODEL}, 400, "lora_name", ["taken"]),
+        ({"lora_path": "demo-lora-a"}, 400, "lora_name", ["required"]),
+        ({"lora_name": "x", "path": "y"}, 400, "path", ["unknown"]),
+    ],
+)
+def test_bad_loads_name_the_field(hot, body, status, param, words):
+    url, state, _ = hot
+    r = post(url, "/v1/load_lora_adapter", body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param
+    assert all(w in error["message"] for w in words), error
+    assert models(url) == [MODEL]
+    r = post(url, "/v1/unload_lora_adapter", {"lora_name": "nope"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "lora_name"
+
+
+def test_off_without_a_lora_dir(smol):
+    url, _ = smol
+    r = post(url, "/v1/load_lora_adapter", {"lora_name": "x"})
+    assert r.status_code == 404 and "--lora-dir" in r.json()["error"]["message"]
+    r = post(url, "/v1/unload_lora_adapter", {"lora_name": "demo-lora-a"})
+    assert r.status_code == 404
+    assert httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "x"}).status_code == 401
