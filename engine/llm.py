@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sequence
 
 from tqdm.auto import tqdm
 
+from engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -185,6 +186,22 @@ class LLM:
         for completion in (c for out in outs for c in out.outputs) if spec else ():
             completion.tool_calls = parse_tool_calls(completion.text)[1]
         return outs
+
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams
+    ) -> list[BeamSearchOutput]:
+        """Beam search (engine.beam_search: HF's rule; beams share KV blocks copy-on-write):
+        per prompt, params.beam_width sequences, best first."""
+        prompts, _ = self._normalize(prompts, None)
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+        limit = self.engine.max_model_len
+        for prompt in ids:
+            need = SamplingParams(max_tokens=params.max_tokens)
+            self.engine.scheduler.check_fits(len(prompt), need, limit)
+        try:
+            return BeamSearch(self.engine, params).run(ids)
+        finally:
+            self._settle()
 
     def apply_chat_template(
         self, messages: list[dict], tools: list[dict] | None = None

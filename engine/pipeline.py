@@ -72,7 +72,8 @@ class Pipeline:
 def may_overlap(members: list[Request], holds_back: Callable[[Request], bool]) -> bool:
     """Whether the next step may be scheduled before these requests' tokens reach the host:
     nothing that shapes their next step reads them (drafts or forced tokens, by holds_back;
-    grammar masks, penalties, min_tokens bans, forking n > 1 siblings)."""
+    grammar masks, penalties, min_tokens bans, forking n > 1 siblings, a beam search that
+    rewrites them: params.extra["lands_first"])."""
     return not any(
         r.grammar is not None
         or holds_back(r)
@@ -80,5 +81,6 @@ def may_overlap(members: list[Request], holds_back: Callable[[Request], bool]) -
         or r.status == RequestStatus.FORK_PENDING
         or r.params.has_penalties
         or r.num_output_tokens < r.params.min_tokens
+        or r.params.extra.get("lands_first", False)
         for r in members
     )

@@ -67,6 +67,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Requests left out of scheduling until released (a beam waiting for its round).
+        self.held: set[Request] = set()
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
@@ -81,8 +83,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if not self._lora_fits(request, loras):
-                i += 1  # its adapter has no slot this step: it runs when an older one is done
+            if request in self.held or not self._lora_fits(request, loras):
+                i += 1  # held, or its adapter has no slot this step (it runs when one is free)
                 continue
             if request.num_output_tokens + request.num_pending >= request.max_output_tokens:
                 i += 1  # its last token is in flight: it finishes when that comes back
@@ -96,7 +98,9 @@ class Scheduler:
             budget -= out.num_new_tokens[-1]
             i += 1
         while self.waiting and budget > 0 and not out.preempted:
-            request = self.waiting[0]
+            request = next((r for r in self.waiting if r not in self.held), None)
+            if request is None:
+                break
             # A leader whose n > 1 siblings are not forked yet brings them along.
             seats = 1 + len(request.siblings)
             if len(self.running) + seats > self.max_num_seqs and self.running:
@@ -108,8 +112,13 @@ class Scheduler:
             num_new = min(request.num_tokens - num_cached, budget)
             ok, copy = self.kv.allocate(request, num_new, prefix)
             if not ok:
+                held = self._held_running()  # held requests wait for it: they give way
+                if held:
+                    self.running.remove(held[-1])
+                    self.preempt(held[-1])
+                    out.preempted.append(held[-1])
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)
             self.kv.record_lookup(request, num_cached)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
@@ -122,6 +131,9 @@ class Scheduler:
             self._emit(out, request, num_new, 0, copy)
             budget -= num_new
         return out
+
+    def _held_running(self) -> list[Request]:
+        return [r for r in self.running if r in self.held] if self.held else []
 
     def _lora_fits(self, request: Request, loras: tuple[set, set]) -> bool:
         """Its adapters (target's, draft's) are in this step already or still have a slot."""
@@ -161,7 +173,9 @@ class Scheduler:
             if ok:
                 self._emit(out, request, num_new + num_drafts, num_drafts, copy)
                 return True
-            victim = self.running.pop()
+            held = self._held_running()  # held requests give way first
+            victim = held[-1] if held else self.running[-1]
+            self.running.remove(victim)
             self.preempt(victim)
             out.preempted.append(victim)
             if victim is request:

@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from engine.llm_engine import LLMEngine
 from engine.outputs import OutputAccumulator, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -116,6 +117,9 @@ class AsyncEngine:
         self._commands: deque[Callable[[], None]] = deque()
         self._wake = threading.Condition()
         self._streams: dict[str, _Stream] = {}
+        # Beam searches the loop drives: each sees every step's outputs, and its future (on
+        # the caller's event loop) gets the result.
+        self._searches: list[tuple[BeamSearch, asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._stopped = False
         self.error: BaseException | None = None  # why the loop died, if it did
         self._tokens: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps
@@ -127,7 +131,7 @@ class AsyncEngine:
         engine = self.engine
         while True:
             with self._wake:
-                while not self._stopped and not self._commands and not self._streams:
+                while not self._stopped and not self._has_work():
                     self._wake.wait()
                 if self._stopped:
                     break
@@ -138,6 +142,7 @@ class AsyncEngine:
                     for command in commands:
                         command()
                     outputs = engine.step() if engine.has_unfinished_requests() else []
+                    self._feed_searches(outputs)
             except BaseException as exc:  # a bug in a step: fail every request, keep nothing
                 self._fail_all(exc)
                 return
@@ -160,6 +165,24 @@ class AsyncEngine:
                 for rid in [r for r in self._streams if r not in engine.groups]:
                     self._streams.pop(rid).put(None, EngineDeadError(f"request {rid} ended"))
 
+    def _has_work(self) -> bool:
+        return bool(self._commands or self._streams or self._searches)
+
+    def _feed_searches(self, outputs: list[RequestOutput]) -> None:
+        """Each beam search takes the step's outputs; finished or failed ones settle."""
+        for entry in list(self._searches):
+            search, loop, done = entry
+            try:
+                search.feed(outputs)
+                if not search.done:
+                    continue
+                result, error = search.outputs(), None
+            except Exception as exc:  # that search's own failure: it alone ends
+                search.close()
+                result, error = None, exc
+            self._searches.remove(entry)
+            loop.call_soon_threadsafe(_settle, done, result, error)
+
     def _fail_all(self, exc: BaseException) -> None:
         logger.error("engine step failed; the loop stops", exc_info=exc)
         self.error = exc
@@ -173,6 +196,10 @@ class AsyncEngine:
                 # The client hears what happened, not the internals (the log has the traceback).
                 stream.put(None, EngineDeadError("the engine stopped after an internal error"))
             self._streams.clear()
+            dead = EngineDeadError("the engine stopped after an internal error")
+            for _, loop, done in self._searches:
+                loop.call_soon_threadsafe(_settle, done, None, dead)
+            self._searches.clear()
 
     def _count_tokens(self, now: float, total: int) -> None:
         self._tokens.append((now, total))
@@ -256,6 +283,35 @@ class AsyncEngine:
         self._submit(command)
         return await done
 
+    async def beam_search(
+        self, prompts: list[list[int]], params: BeamSearchParams
+    ) -> list[BeamSearchOutput]:
+        """Run a beam search (engine.beam_search) on the loop; ValueError if the engine refuses
+        it. Cancelling the caller aborts its beams."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def start() -> None:
+            search = BeamSearch(self.engine, params)
+            try:
+                search.start(prompts)
+            except BaseException:
+                search.close()
+                raise
+            self._searches.append((search, loop, done))
+
+        await self.call(start)
+        try:
+            return await done
+        except asyncio.CancelledError:
+            self._submit(lambda: self._cancel_search(done))
+            raise
+
+    def _cancel_search(self, done: asyncio.Future) -> None:
+        for entry in [e for e in self._searches if e[2] is done]:
+            entry[0].close()
+            self._searches.remove(entry)
+
     def abort(self, request_id: str) -> None:
         def abort() -> None:
             self._streams.pop(request_id, None)
@@ -284,3 +340,8 @@ class AsyncEngine:
         self._thread.join(timeout)
         with self.lock:
             self.engine.abort_request(list(self.engine.groups))
+
+
+def _settle(done: asyncio.Future, result, error: BaseException | None) -> None:
+    if not done.done():
+        done.set_exception(error) if error else done.set_result(result)

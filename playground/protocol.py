@@ -12,6 +12,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from engine.beam_search import BeamSearchOutput, BeamSearchParams
 from engine.llm import chat_prompt_ids
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -93,6 +94,8 @@ _COMMON_FIELDS: dict[str, tuple[type, ...]] = {
     "guided_choice": (list,),
     "cache_salt": (str,),
     "return_spec_stats": (bool,),  # ours: the request's speculation counters in the response
+    "use_beam_search": (bool,),  # vLLM's: n (or best_of) beams, the best n returned
+    "length_penalty": _NUMBER,
     **_SAMPLING_FIELDS,
 }
 COMPLETION_FIELDS = {
@@ -227,6 +230,65 @@ def refuse_unsupported(body: dict) -> None:
     best_of = body.get("best_of")
     if best_of is not None and best_of != body.get("n", 1):
         raise APIError("best_of is not supported (it must equal n)", "best_of")
+
+
+# Fields that shape sampled output, which beam search (greedy beams) does not take.
+_NOT_WITH_BEAMS = (
+    "stream",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "suffix",
+    "tools",
+    "response_format",
+    "structured_outputs",
+    *_LEGACY_CONSTRAINTS,
+)
+
+
+def beam_params(body: dict, max_tokens_default: int | None) -> BeamSearchParams:
+    """vLLM's use_beam_search: beam_width = best_of (completions) or n; n best come back."""
+    for name in _NOT_WITH_BEAMS:
+        if body.get(name):
+            raise APIError(f"{name} cannot be combined with use_beam_search", name)
+    if body.get("temperature") not in (None, 0):
+        raise APIError(
+            "use_beam_search ranks beams by log-probability: temperature must be 0 or absent",
+            "temperature",
+        )
+    n = body.get("n") or 1
+    width = body.get("best_of") or n
+    if width < n:
+        raise APIError(f"best_of={width} must be >= n={n}", "best_of")
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or max_tokens_default
+    try:
+        return BeamSearchParams(
+            width,
+            max_tokens,
+            body.get("length_penalty", 1.0),
+            bool(body.get("ignore_eos")),
+        )
+    except ValueError as exc:
+        raise param_error(exc, body, "use_beam_search") from None
+
+
+def beam_outputs(outs: list[BeamSearchOutput], n: int) -> list[RequestOutput]:
+    """Each prompt's n best beams as a finished RequestOutput (the responses' shapes)."""
+    return [
+        RequestOutput(
+            "",
+            None,
+            out.prompt_token_ids,
+            [
+                CompletionOutput(
+                    i, s.text, s.token_ids, s.cum_logprob, finish_reason=s.finish_reason
+                )
+                for i, s in enumerate(out.sequences[:n])
+            ],
+            finished=True,
+        )
+        for out in outs
+    ]
 
 
 def include_usage(body: dict) -> bool:

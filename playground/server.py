@@ -282,6 +282,8 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
     is_chat = kind == "chat"
     fields = protocol.CHAT_FIELDS if is_chat else protocol.COMPLETION_FIELDS
     body = protocol.check_fields(await _json(request), fields)
+    if body.get("use_beam_search"):
+        return await _beam_search(state, body, kind)
     if not is_chat:
         protocol.refuse_unsupported(body)
     inputs = _chat_inputs if is_chat else _completion_inputs
@@ -302,6 +304,27 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
     if failed:  # its own processing failed; the engine and other requests are fine
         raise request_failed(failed)
     return JSONResponse(protocol.final_response(ctx, finals, with_spec_stats))
+
+
+async def _beam_search(state: ServerState, body: dict, kind: str) -> Response:
+    """vLLM's use_beam_search (whole responses only): the engine runs the beams, the n best of
+    each prompt come back as its choices."""
+    is_chat = kind == "chat"
+    params = protocol.beam_params(body, None if is_chat else 16)
+    inputs = _chat_inputs if is_chat else _completion_inputs
+    ids, _, lora, _ = await inputs(state, body)
+    if lora is not None:
+        raise APIError("use_beam_search runs on the base model only", "model")
+    n = body.get("n") or 1
+    ctx = ResponseContext(kind, body.get("model") or state.model_name, n=n)
+    _check_max_tokens(state, ids, params, "messages" if is_chat else "prompt")
+    try:
+        outs = await state.engine.beam_search(ids, params)
+    except EngineDeadError as exc:
+        raise APIError(str(exc), status=503, type="server_error") from None
+    except ValueError as exc:
+        raise protocol.param_error(exc, body, "use_beam_search") from None
+    return JSONResponse(protocol.final_response(ctx, protocol.beam_outputs(outs, n)))
 
 
 def request_failed(out: RequestOutput) -> APIError:
