@@ -15,6 +15,7 @@ from fastapi import FastAPI
 
 from engine.llm import chat_prompt_ids
 from engine.sampling_params import SamplingParams
+from engine.tools import Tools, parse_tool_calls
 from playground import views
 from playground.server import ServerState
 
@@ -51,8 +52,26 @@ _LOAD_CONSTRAINTS = {  # request index % 4 -> its constraint
 Form = namedtuple(
     "Form",
     "mode prompt temperature top_p top_k max_tokens seed method k adaptive adapter "
-    "constraint_kind constraint_text",
+    "constraint_kind constraint_text tools tool_choice",
 )
+TOOL_CHOICES = ["auto", "required", "none"]
+EXAMPLE_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather forecast for a city",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city", "unit"],
+            },
+        },
+    }
+]
 _CONSTRAINT_KEYS = {"json schema": "json", "regex": "regex", "grammar (EBNF)": "grammar"}
 
 
@@ -74,6 +93,23 @@ def constraint_from(kind: str, text: str) -> dict | None:
     return {_CONSTRAINT_KEYS[kind]: text}
 
 
+def tools_from(mode: str, text: str, choice: str) -> Tools | None:
+    """The tools box (OpenAI's JSON list; empty: none) and tool choice (auto, required, none, or
+    a function's name) -> engine.tools.Tools."""
+    text = (text or "").strip()
+    if not text:
+        return None
+    if mode != "chat":
+        raise ValueError("tools: tool calls need chat mode")
+    try:
+        tools = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"tools: not valid JSON: {exc}") from None
+    if choice not in TOOL_CHOICES:
+        choice = {"type": "function", "function": {"name": choice}}
+    return Tools.parse(tools, choice)
+
+
 def spec_k(method: str, k: int, adaptive: bool) -> int | None:
     """Speculation controls -> SamplingParams.num_speculative_tokens (None: the engine plans)."""
     if method == "off":
@@ -91,8 +127,10 @@ class Playground:
     async def generate(self, *values):
         """Stream one request (values: the form's, in Form's order): yields (token-shaded
         HTML, stats line)."""
+        form = Form(*values)
+        with_tools = form.mode == "chat" and form.tool_choice != "none" and bool(form.tools)
         try:
-            stream = await self._submit(Form(*values))
+            stream = await self._submit(form)
         except ValueError as exc:
             raise gr.Error(str(exc)) from None
         tokenizer = self.state.tokenizer
@@ -103,7 +141,7 @@ class Playground:
                 c = out.outputs[0]
                 rejected = [(pos, tokenizer.decode(ids)) for pos, ids in c.rejected_drafts]
                 html = views.render_tokens(pieces.update(c.token_ids), c.token_kinds, rejected)
-                yield html, _stats(out, time.monotonic() - start)
+                yield html, _stats(out, time.monotonic() - start, with_tools)
         finally:
             stream.close()
 
@@ -122,8 +160,13 @@ class Playground:
         if not (form.prompt or "").strip():
             raise ValueError("prompt is empty")
         tokenizer = self.state.tokenizer
+        tools = tools_from(form.mode, form.tools, form.tool_choice)
+        if tools is not None:
+            params = tools.apply(params)
         if form.mode == "chat":
-            ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": form.prompt}])
+            messages = [{"role": "user", "content": form.prompt}]
+            shown = tools.in_prompt if tools else None
+            ids = chat_prompt_ids(tokenizer, messages, tools=shown)
         else:
             ids = tokenizer.encode(form.prompt)
         lora = self.state.adapters.get(form.adapter) if form.adapter != BASE else None
@@ -219,7 +262,22 @@ class Playground:
                 label="JSON schema / regex / EBNF grammar / choices (one per line)",
                 elem_id="constraint-text",
             )
+        with gr.Accordion("Tools (chat)", open=False):
+            tools = gr.Code(
+                json.dumps(EXAMPLE_TOOLS, indent=1),
+                language="json",
+                label="tools: OpenAI's function tools (empty: none)",
+                elem_id="tools",
+            )
+            tool_choice = gr.Dropdown(
+                ["none", "auto", "required"],
+                value="none",
+                allow_custom_value=True,
+                label="tool_choice (or a function's name)",
+                elem_id="tool-choice",
+            )
         controls = dict(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens)
+        controls |= dict(tools=tools, tool_choice=tool_choice)
         controls |= dict(seed=seed, method=method, k=k, adaptive=adaptive, adapter=adapter)
         return Form(mode=None, prompt=None, constraint_kind=kind, constraint_text=text, **controls)
 
@@ -281,7 +339,7 @@ class Playground:
         return demo
 
 
-def _stats(out, seconds: float) -> str:
+def _stats(out, seconds: float, with_tools: bool = False) -> str:
     c = out.outputs[0]
     kinds = c.token_kinds
     n = len(c.token_ids)
@@ -293,6 +351,9 @@ def _stats(out, seconds: float) -> str:
     )
     if c.finish_reason:
         line += f" · finished: {c.finish_reason}"
+    if with_tools and c.finish_reason:
+        calls = parse_tool_calls(c.text)[1]
+        line += " · tool calls: " + (", ".join(f"{t.name}({t.arguments})" for t in calls) or "none")
     return line
 
 

@@ -3,13 +3,16 @@ gradio_client against the app mounted on the HTTP server."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import threading
 from pathlib import Path
 
 import httpx
 import pytest
+from tools_cases import ADD_TOOL
 from web import serving, wait_idle
 
 from engine.config import EngineConfig
@@ -145,6 +148,8 @@ def test_gradio_client(playground):
         "demo-lora-a",
         "choice",
         "three\nfour",
+        "",
+        "none",
         api_name="/generate",
     )
     assert "finished: stop" in stats
@@ -164,8 +169,18 @@ def test_gradio_client(playground):
             "(base model)",
             "regex",
             "(unclosed",
+            "",
+            "none",
             api_name="/generate",
         )
+    # Tools in chat mode: a required call, its opening forced (free drafts), parsed in the stats.
+    tools = json.dumps([ADD_TOOL])
+    args = ["chat", "Add 2 and 40.", 0.0, 1.0, 0, 64, -1, "off", 4, True, "(base model)"]
+    html, stats = client.predict(*args, "none", "", tools, "required", api_name="/generate")
+    assert re.search(r'tool calls: add\(\{"a": \d+, "b": \d+\}\)', stats), stats
+    assert 'class="tk tk-f' in html
+    with pytest.raises(Exception, match="tool_choice"):
+        client.predict(*args, "none", "", tools, "mul", api_name="/generate")
     summary = client.predict(6, api_name="/load_test")
     assert summary.startswith("load test: 6/6 requests finished"), summary
     snap = wait_idle(state.engine)
