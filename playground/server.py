@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hmac
 import json
 import time
 from collections.abc import AsyncIterator
@@ -23,10 +22,12 @@ from engine.llm import chat_prompt_ids
 from engine.outputs import RequestOutput
 from engine.tools import Tools
 from lora.adapter import LoRARequest
-from playground import protocol
+from playground import protocol, responses
 from playground.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from playground.metrics import ServerMetrics
-from playground.protocol import APIError, ResponseContext
+from playground.middleware import APIKeyCheck, BodySizeLimit, error_response
+from playground.protocol import APIError
+from playground.responses import Echo, ResponseContext
 
 _DISCONNECT_POLL_S = 0.2
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # request bodies past it get a 413
@@ -88,7 +89,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return _error_response(exc)
+        return error_response(exc)
 
     if state.api_key is not None:
         app.add_middleware(APIKeyCheck, key=state.api_key)
@@ -133,27 +134,7 @@ def build_app(state: ServerState) -> FastAPI:
         text = await asyncio.to_thread(decoder, ids, skip_special_tokens=False)
         return {"prompt": text}
 
-    @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(request: Request) -> Response:
-        body = protocol.check_fields(await _json(request), protocol.LOAD_LORA_FIELDS)
-        adapter = _hot_adapter(state, body)
-        try:
-            await state.engine.call(lambda: state.engine.engine.load_lora(adapter))
-        except ValueError as exc:
-            raise APIError(str(exc), "lora_path") from None
-        state.adapters[adapter.name] = adapter
-        return Response(f"Success: LoRA adapter '{adapter.name}' added successfully.")
-
-    @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(request: Request) -> Response:
-        body = protocol.check_fields(await _json(request), protocol.UNLOAD_LORA_FIELDS)
-        name = body.get("lora_name")
-        _check_hot_loading(state)
-        if name not in state.adapters:
-            raise APIError(f"no adapter named {name!r} is loaded", "lora_name", status=404)
-        del state.adapters[name]  # new requests no longer find it; running ones keep it
-        await state.engine.call(lambda: state.engine.engine.unload_lora(name))
-        return Response(f"Success: LoRA adapter '{name}' removed successfully.")
+    _add_lora_routes(app, state)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -185,6 +166,32 @@ def _hot_adapter(state: ServerState, body: dict) -> LoRARequest:
     if not path.is_relative_to(root) or path == root:
         raise APIError("lora_path must be a directory inside the server's --lora-dir", "lora_path")
     return LoRARequest(name, str(path))
+
+
+def _add_lora_routes(app: FastAPI, state: ServerState) -> None:
+    """vLLM's adapter hot-load endpoints (404 unless the server has a lora_dir)."""
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        body = protocol.check_fields(await _json(request), protocol.LOAD_LORA_FIELDS)
+        adapter = _hot_adapter(state, body)
+        try:
+            await state.engine.call(lambda: state.engine.engine.load_lora(adapter))
+        except ValueError as exc:
+            raise APIError(str(exc), "lora_path") from None
+        state.adapters[adapter.name] = adapter
+        return Response(f"Success: LoRA adapter '{adapter.name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        body = protocol.check_fields(await _json(request), protocol.UNLOAD_LORA_FIELDS)
+        name = body.get("lora_name")
+        _check_hot_loading(state)
+        if name not in state.adapters:
+            raise APIError(f"no adapter named {name!r} is loaded", "lora_name", status=404)
+        del state.adapters[name]  # new requests no longer find it; running ones keep it
+        await state.engine.call(lambda: state.engine.engine.unload_lora(name))
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.")
 
 
 async def _json(request: Request):
@@ -224,10 +231,10 @@ async def _completion_inputs(state: ServerState, body: dict):
     return ids, params, lora, fields
 
 
-def _echoes(state: ServerState, prompts, ids, only: bool) -> list[protocol.Echo]:
+def _echoes(state: ServerState, prompts, ids, only: bool) -> list[Echo]:
     decode = functools.partial(state.engine.engine.decoder, skip_special_tokens=False)
     return [
-        protocol.Echo(p if isinstance(p, str) else decode(p), decode(i[:1]), only)
+        Echo(p if isinstance(p, str) else decode(p), decode(i[:1]), only)
         for p, i in zip(prompts, ids, strict=True)
     ]
 
@@ -303,7 +310,7 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
     failed = next((f for f in finals if f.error), None)
     if failed:  # its own processing failed; the engine and other requests are fine
         raise request_failed(failed)
-    return JSONResponse(protocol.final_response(ctx, finals, with_spec_stats))
+    return JSONResponse(responses.final_response(ctx, finals, with_spec_stats))
 
 
 async def _beam_search(state: ServerState, body: dict, kind: str) -> Response:
@@ -324,7 +331,7 @@ async def _beam_search(state: ServerState, body: dict, kind: str) -> Response:
         raise APIError(str(exc), status=503, type="server_error") from None
     except ValueError as exc:
         raise protocol.param_error(exc, body, "use_beam_search") from None
-    return JSONResponse(protocol.final_response(ctx, protocol.beam_outputs(outs, n)))
+    return JSONResponse(responses.final_response(ctx, responses.beam_outputs(outs, n)))
 
 
 def request_failed(out: RequestOutput) -> APIError:
@@ -431,8 +438,10 @@ async def _sse(
             if out.error:
                 raise request_failed(out)
             last[i] = out
-            num_completion_tokens += protocol.completion_tokens(ctx, [out])
-            choices = [protocol.choice(ctx, i * ctx.n + c.index, c, True, out) for c in out.outputs]
+            num_completion_tokens += responses.completion_tokens(ctx, [out])
+            choices = [
+                responses.choice(ctx, i * ctx.n + c.index, c, True, out) for c in out.outputs
+            ]
             if choices:
                 yield _event(ctx.envelope(choices, chunk=True))
     except (APIError, EngineDeadError, ValueError) as exc:
@@ -445,72 +454,12 @@ async def _sse(
         tail = ctx.envelope([], chunk=True)
         if with_usage:
             num_prompt_tokens = sum(len(out.prompt_token_ids) for out in last.values())
-            tail["usage"] = protocol.usage(num_prompt_tokens, num_completion_tokens)
+            tail["usage"] = responses.usage(num_prompt_tokens, num_completion_tokens)
         if with_spec_stats:
-            tail["speculation"] = protocol.spec_stats(list(last.values()))
+            tail["speculation"] = responses.spec_stats(list(last.values()))
         yield _event(tail)
     yield "data: [DONE]\n\n"
 
 
 def _event(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-def _error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
-
-
-class BodySizeLimit:
-    """ASGI middleware: 413 for a body over max_bytes, declared or streamed. The body is read
-    here (at most max_bytes are held) and replayed to the app."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
-            return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._refuse(scope, receive, send)
-        messages, seen = [], 0
-        while True:
-            message = await receive()
-            messages.append(message)
-            if message["type"] != "http.request":
-                break
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                return await self._refuse(scope, receive, send)
-            if not message.get("more_body", False):
-                break
-
-        async def replay():
-            return messages.pop(0) if messages else await receive()
-
-        await self.app(scope, replay, send)
-
-    async def _refuse(self, scope, receive, send) -> None:
-        err = APIError(f"request body exceeds {self.max_bytes} bytes", status=413)
-        await _error_response(err)(scope, receive, send)
-
-
-_KEYED_PATHS = ("/v1", "/tokenize", "/detokenize")
-
-
-class APIKeyCheck:
-    """ASGI middleware: /v1, /tokenize and /detokenize requests need `Authorization: Bearer
-    <key>` (compared in constant time). Pure ASGI, not BaseHTTPMiddleware, so the app still sees
-    client disconnects."""
-
-    def __init__(self, app, key: str):
-        self.app, self.key = app, key.encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith(_KEYED_PATHS):
-            given = dict(scope.get("headers") or []).get(b"authorization", b"")
-            token = given[7:] if given[:7].lower() == b"bearer " else b""
-            if not hmac.compare_digest(token, self.key):
-                err = APIError("invalid or missing API key", status=401, code="invalid_api_key")
-                return await _error_response(err)(scope, receive, send)
-        return await self.app(scope, receive, send)
