@@ -246,3 +246,17 @@ def test_without_masks_the_same_calls_are_invalid():
     llm.engine.runner.logits_masker = None
     llm.engine.grammar.commit = lambda request, token: False  # nothing checks the tokens
     assert len(invalid_calls(sampled_calls(llm, "required"))) >= SEEDS // 2
+
+
+@pytest.mark.slow
+def test_qwen_template_renders_tools_and_calls_validate():
+    """Qwen2.5's own template knows tools: the history's call renders with its arguments as an
+    object (a JSON string would come out quoted twice), results as <tool_response>; its
+    required calls validate."""
+    llm = LLM("qwen2.5-coder-0.5b-instruct", num_kv_blocks=256)
+    text = llm.tokenizer.decode(llm.apply_chat_template(HISTORY, tools=[ADD]))
+    assert '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 40}}\n</tool_call>' in text
+    assert "<tool_response>\n42\n</tool_response>\n<tool_response>\nok\n</tool_response>" in text
+    assert json.dumps(ADD) in text and text.startswith("<|im_start|>system\nBe brief.\n\n# Tools")
+    completions = sampled_calls(llm, "required", parallel=False)
+    assert not invalid_calls(completions)
