@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import httpx
-import pytest
-from web import API_KEY, wait_idle
+from web import wait_idle
 
 from engine.beam_search import BeamSearchParams
 
 MODEL = "smollm2-135m-instruct"
-HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 
 
 def test_completions_and_chat_beams_equal_offline(client, offline, smol):
@@ -37,25 +34,3 @@ def test_completions_and_chat_beams_equal_offline(client, offline, smol):
     assert (
         snap["num_free_blocks"] == snap["num_blocks"] and not smol[1].engine.engine.scheduler.held
     )
-
-
-@pytest.mark.parametrize(
-    "fields, param",
-    [
-        ({"stream": True}, "stream"),
-        ({"logprobs": 2}, "logprobs"),
-        ({"temperature": 0.7}, "temperature"),
-        ({"n": 3, "best_of": 2}, "best_of"),
-        ({"n": 11}, "beam_width"),
-        ({"length_penalty": "long"}, "length_penalty"),
-        ({"model": "demo-lora-a"}, "model"),
-    ],
-)
-def test_beam_errors_name_the_field(smol, fields, param):
-    url, state = smol
-    body = {"model": MODEL, "prompt": "hi", "max_tokens": 4, "use_beam_search": True} | fields
-    r = httpx.post(url + "/v1/completions", json=body, headers=HEADERS)
-    assert r.status_code == 400, r.text
-    assert r.json()["error"]["param"] == param
-    snap = wait_idle(state.engine)
-    assert snap["num_free_blocks"] == snap["num_blocks"]

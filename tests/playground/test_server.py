@@ -203,6 +203,7 @@ def test_structured_outputs(client):
 
 LONG = "word " * 3000  # > 2048 tokens
 BAD_SCHEMA_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}
+BEAMS = {"use_beam_search": True}
 NAMED_MUL = {"type": "function", "function": {"name": "mul"}}
 BAD_CALL_MESSAGE = {
     "role": "assistant",
@@ -266,6 +267,14 @@ ERRORS = [
     ("chat", {"tools": [ADD_TOOL], "parallel_tool_calls": 1}, 400, "parallel_tool_calls", ["bool"]),
     ("chat", {"messages": [BAD_CALL_MESSAGE]}, 400, "messages", ["arguments is not JSON"]),
     ("chat", {"top_logprobs": 2}, 400, "top_logprobs", ["logprobs"]),
+    ("completions", BEAMS | {"stream": True}, 400, "stream", ["use_beam_search"]),
+    ("completions", BEAMS | {"logprobs": 2}, 400, "logprobs", ["use_beam_search"]),
+    ("completions", BEAMS | {"temperature": 0.7}, 400, "temperature", ["temperature"]),
+    ("completions", BEAMS | {"n": 3, "best_of": 2}, 400, "best_of", ["best_of=2"]),
+    ("completions", BEAMS | {"n": 11}, 400, "beam_width", ["at most 20"]),
+    ("completions", BEAMS | {"length_penalty": "long"}, 400, "length_penalty", ["number"]),
+    ("completions", BEAMS | {"model": "demo-lora-a"}, 400, "model", ["base model"]),
+    ("chat", BEAMS | {"tools": [ADD_TOOL]}, 400, "tools", ["use_beam_search"]),
     ("chat", {"presence_penalty": 3}, 400, "presence_penalty", ["presence_penalty"]),
 ]
 
