@@ -175,11 +175,17 @@ def _add_lora_routes(app: FastAPI, state: ServerState) -> None:
     async def load_lora_adapter(request: Request) -> Response:
         body = protocol.check_fields(await _json(request), protocol.LOAD_LORA_FIELDS)
         adapter = _hot_adapter(state, body)
-        try:
-            await state.engine.call(lambda: state.engine.engine.load_lora(adapter))
-        except ValueError as exc:
-            raise APIError(str(exc), "lora_path") from None
-        state.adapters[adapter.name] = adapter
+
+        def load() -> None:  # on the loop thread: loads and unloads of one name take turns
+            if adapter.name in state.adapters:
+                raise APIError(f"the name {adapter.name!r} is taken; unload it first", "lora_name")
+            try:
+                state.engine.engine.load_lora(adapter)
+            except ValueError as exc:
+                raise APIError(str(exc), "lora_path") from None
+            state.adapters[adapter.name] = adapter
+
+        await state.engine.call(load)
         return Response(f"Success: LoRA adapter '{adapter.name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
@@ -187,10 +193,14 @@ def _add_lora_routes(app: FastAPI, state: ServerState) -> None:
         body = protocol.check_fields(await _json(request), protocol.UNLOAD_LORA_FIELDS)
         name = body.get("lora_name")
         _check_hot_loading(state)
-        if name not in state.adapters:
-            raise APIError(f"no adapter named {name!r} is loaded", "lora_name", status=404)
-        del state.adapters[name]  # new requests no longer find it; running ones keep it
-        await state.engine.call(lambda: state.engine.engine.unload_lora(name))
+
+        def unload() -> None:
+            if name not in state.adapters:
+                raise APIError(f"no adapter named {name!r} is loaded", "lora_name", status=404)
+            del state.adapters[name]  # new requests no longer find it; running ones keep it
+            state.engine.engine.unload_lora(name)
+
+        await state.engine.call(unload)
         return Response(f"Success: LoRA adapter '{name}' removed successfully.")
 
 

@@ -117,3 +117,21 @@ def test_off_without_a_lora_dir(smol):
     r = post(url, "/v1/unload_lora_adapter", {"lora_name": "demo-lora-a"})
     assert r.status_code == 404
     assert httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "x"}).status_code == 401
+
+
+def test_concurrent_loads_of_one_name(hot):
+    """Loads run on the engine loop one at a time: of four racing loads of one name, one
+    wins and the others hear that the name is taken."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    url, state, _ = hot
+    body = {"lora_name": "race", "lora_path": "demo-lora-a"}
+    with ThreadPoolExecutor(4) as pool:
+        codes = sorted(
+            r.status_code
+            for r in pool.map(lambda _: post(url, "/v1/load_lora_adapter", body), range(4))
+        )
+    assert codes == [200, 400, 400, 400]
+    assert models(url) == [MODEL, "race"]
+    assert post(url, "/v1/unload_lora_adapter", {"lora_name": "race"}).status_code == 200
+    assert models(url) == [MODEL]
