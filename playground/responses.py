@@ -39,6 +39,7 @@ class ResponseContext:
     created: int = 0
     parsers: dict[int, ToolCallParser] = field(default_factory=dict)
     echoed: set[int] = field(default_factory=set)
+    next_offset: dict[int, int] = field(default_factory=dict)  # text_offset a chunk starts at
 
     def __post_init__(self) -> None:
         prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
@@ -97,20 +98,24 @@ def _echo_entries(out: RequestOutput, echo: Echo, limit: int) -> Entries:
     return [echo.first_token, *tokens], [None, *token_lps], [None, *tops]
 
 
-def completion_logprobs(c: CompletionOutput, limit: int, prefix: Entries | None = None) -> dict:
+def completion_logprobs(
+    c: CompletionOutput, limit: int, prefix: Entries | None = None, start: int = 0
+) -> dict:
     """Completions' logprobs: tokens, token_logprobs, top_logprobs, text_offset (prefix: the
-    echoed prompt's, first)."""
+    echoed prompt's, first; start: the offset of the first token, for a stream's later
+    chunks)."""
     tokens, token_lps, tops = _entries(c.token_ids, c.logprobs or [], limit)
     if prefix is not None:
         tokens, token_lps, tops = prefix[0] + tokens, prefix[1] + token_lps, prefix[2] + tops
-    offsets = [0]
-    for text in tokens[:-1]:
-        offsets.append(offsets[-1] + len(text))
+    offsets = []
+    for text in tokens:
+        offsets.append(start)
+        start += len(text)
     return {
         "tokens": tokens,
         "token_logprobs": token_lps,
         "top_logprobs": tops,
-        "text_offset": offsets[: len(tokens)],
+        "text_offset": offsets,
     }
 
 
@@ -185,7 +190,11 @@ def _completion_choice(
     body: dict = {"index": index, "text": text, "finish_reason": c.finish_reason}
     if ctx.logprobs is not None and c.logprobs is not None:
         head = _echo_entries(out, echo, ctx.logprobs) if prefix else None
-        body["logprobs"] = completion_logprobs(c, ctx.logprobs, head)
+        start = ctx.next_offset.get(index, 0) if delta else 0
+        lps = completion_logprobs(c, ctx.logprobs, head, start)
+        if delta:  # a stream's offsets run on across its chunks
+            ctx.next_offset[index] = start + sum(map(len, lps["tokens"]))
+        body["logprobs"] = lps
     return body
 
 

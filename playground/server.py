@@ -464,7 +464,8 @@ async def _sse(
         tail = ctx.envelope([], chunk=True)
         if with_usage:
             num_prompt_tokens = sum(len(out.prompt_token_ids) for out in last.values())
-            tail["usage"] = responses.usage(num_prompt_tokens, num_completion_tokens)
+            cached = sum(out.num_cached_tokens for out in last.values())
+            tail["usage"] = responses.usage(num_prompt_tokens, num_completion_tokens, cached)
         if with_spec_stats:
             tail["speculation"] = responses.spec_stats(list(last.values()))
         yield _event(tail)

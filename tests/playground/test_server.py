@@ -57,6 +57,8 @@ def test_chat_equals_offline_and_stream_equals_whole(client, offline):
     assert chunks[-1].choices == [] and chunks[-1].usage is not None  # usage in the last chunk
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    # The whole answer computed this prompt a moment ago: the stream finds its blocks cached.
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 16
 
 
 def test_completion_stream_n2_prompts2(client):

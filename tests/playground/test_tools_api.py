@@ -174,3 +174,10 @@ def test_echo_with_prompt_logprobs(client, offline):
         for lp in c.choices[0].logprobs.token_logprobs
     ]
     assert tokens == lps.token_logprobs
+    offsets = [
+        o
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for o in c.choices[0].logprobs.text_offset
+    ]
+    assert offsets == lps.text_offset  # absolute across chunks, as in the whole answer
