@@ -49,9 +49,11 @@ class BeamSearchParams:
             raise ParamError(
                 "max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"
             )
-        if not isinstance(self.length_penalty, int | float):
+        lp = self.length_penalty
+        if isinstance(lp, bool) or not isinstance(lp, int | float) or not -10 <= lp <= 10:
+            # (a finite bound: len ** lp must stay a float; NaN fails the comparison too)
             raise ParamError(
-                "length_penalty", f"length_penalty must be a number, got {self.length_penalty!r}"
+                "length_penalty", f"length_penalty must be a number in [-10, 10], got {lp!r}"
             )
 
 
@@ -155,8 +157,9 @@ class BeamSearch:
         return all(s.done for s in self.searches)
 
     def close(self) -> None:
-        """Abort the beams still live (a search given up, or one that failed)."""
-        self._drop([b for s in self.searches for b in s.beams])
+        """Abort the beams still live (a search given up, or one that failed mid-round: its
+        new forks too)."""
+        self._drop([beam for _, beam in list(self.beam_of.values())])
 
     def outputs(self) -> list[BeamSearchOutput]:
         return [self._output(s) for s in self.searches]

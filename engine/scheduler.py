@@ -104,6 +104,7 @@ class Scheduler:
             # A leader whose n > 1 siblings are not forked yet brings them along.
             seats = 1 + len(request.siblings)
             if len(self.running) + seats > self.max_num_seqs and self.running:
+                self._make_way(out)
                 break
             if not self._lora_fits(request, loras) or request.num_inflight_tokens:
                 break  # FCFS: nobody overtakes it (nor one requeued with a step in flight)
@@ -112,11 +113,7 @@ class Scheduler:
             num_new = min(request.num_tokens - num_cached, budget)
             ok, copy = self.kv.allocate(request, num_new, prefix)
             if not ok:
-                held = self._held_running()  # held requests wait for it: they give way
-                if held:
-                    self.running.remove(held[-1])
-                    self.preempt(held[-1])
-                    out.preempted.append(held[-1])
+                self._make_way(out)
                 break
             self.waiting.remove(request)
             self.kv.record_lookup(request, num_cached)
@@ -134,6 +131,15 @@ class Scheduler:
 
     def _held_running(self) -> list[Request]:
         return [r for r in self.running if r in self.held] if self.held else []
+
+    def _make_way(self, out: SchedulerOutput) -> None:
+        """A waiting request found no seat or no blocks: a held request (which waits for it,
+        e.g. a beam for the rest of its round) gives its own up, or the round never ends."""
+        held = self._held_running()
+        if held:
+            self.running.remove(held[-1])
+            self.preempt(held[-1])
+            out.preempted.append(held[-1])
 
     def _lora_fits(self, request: Request, loras: tuple[set, set]) -> bool:
         """Its adapters (target's, draft's) are in this step already or still have a slot."""

@@ -371,7 +371,10 @@ class ToolCallParser:
         start = match.end() + len(rest) - len(rest.lstrip())
         if start == len(self.text) or self.text[start] not in "{[":
             return None
-        name = json.loads(f'"{match.group(1)}"')
+        try:
+            name = json.loads(f'"{match.group(1)}"')
+        except json.JSONDecodeError:  # not a JSON string: not a call (constrained text never)
+            return None
         return _Call(f"call_{uuid.uuid4().hex[:24]}", name, start)
 
     @property

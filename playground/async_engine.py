@@ -300,10 +300,10 @@ class AsyncEngine:
                 raise
             self._searches.append((search, loop, done))
 
-        await self.call(start)
         try:
+            await self.call(start)
             return await done
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # (after start, if it was queued: commands run in order)
             self._submit(lambda: self._cancel_search(done))
             raise
 

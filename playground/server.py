@@ -162,7 +162,10 @@ def _hot_adapter(state: ServerState, body: dict) -> LoRARequest:
     if name in state.adapters or name == state.model_name:
         raise APIError(f"the name {name!r} is taken; unload it first", "lora_name")
     root = state.lora_dir.resolve()
-    path = (root / body.get("lora_path", name)).resolve()
+    try:
+        path = (root / body.get("lora_path", name)).resolve()
+    except (ValueError, OSError) as exc:  # e.g. a NUL byte, a symlink loop
+        raise APIError(f"lora_path is not a usable path: {exc}", "lora_path") from None
     if not path.is_relative_to(root) or path == root:
         raise APIError("lora_path must be a directory inside the server's --lora-dir", "lora_path")
     return LoRARequest(name, str(path))
@@ -198,7 +201,8 @@ def _add_lora_routes(app: FastAPI, state: ServerState) -> None:
             if name not in state.adapters:
                 raise APIError(f"no adapter named {name!r} is loaded", "lora_name", status=404)
             del state.adapters[name]  # new requests no longer find it; running ones keep it
-            state.engine.engine.unload_lora(name)
+            with suppress(ValueError):  # the registry evicted it already (max_cpu_loras)
+                state.engine.engine.unload_lora(name)
 
         await state.engine.call(unload)
         return Response(f"Success: LoRA adapter '{name}' removed successfully.")
@@ -300,7 +304,7 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
     fields = protocol.CHAT_FIELDS if is_chat else protocol.COMPLETION_FIELDS
     body = protocol.check_fields(await _json(request), fields)
     if body.get("use_beam_search"):
-        return await _beam_search(state, body, kind)
+        return await _beam_search(state, request, body, kind)
     if not is_chat:
         protocol.refuse_unsupported(body)
     inputs = _chat_inputs if is_chat else _completion_inputs
@@ -323,7 +327,7 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
     return JSONResponse(responses.final_response(ctx, finals, with_spec_stats))
 
 
-async def _beam_search(state: ServerState, body: dict, kind: str) -> Response:
+async def _beam_search(state: ServerState, request: Request, body: dict, kind: str) -> Response:
     """vLLM's use_beam_search (whole responses only): the engine runs the beams, the n best of
     each prompt come back as its choices."""
     is_chat = kind == "chat"
@@ -335,8 +339,13 @@ async def _beam_search(state: ServerState, body: dict, kind: str) -> Response:
     n = body.get("n") or 1
     ctx = ResponseContext(kind, body.get("model") or state.model_name, n=n)
     _check_max_tokens(state, ids, params, "messages" if is_chat else "prompt")
+    search = asyncio.ensure_future(state.engine.beam_search(ids, params))
     try:
-        outs = await state.engine.beam_search(ids, params)
+        while not (await asyncio.wait([search], timeout=_DISCONNECT_POLL_S))[0]:
+            if await request.is_disconnected():  # nobody is listening: its beams are aborted
+                search.cancel()
+                return Response(status_code=499)
+        outs = search.result()
     except EngineDeadError as exc:
         raise APIError(str(exc), status=503, type="server_error") from None
     except ValueError as exc:

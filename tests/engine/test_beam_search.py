@@ -121,12 +121,20 @@ def test_beams_share_blocks_copy_on_write_and_survive_preemption(tiny_llama):
     small = LLM(str(tiny_llama), num_kv_blocks=20, block_size=4)  # 4 beams x 3 prompts: tight
     assert_equal_hf(small, tiny_llama, PROMPTS[:3], 4, 14)
     assert small.engine.scheduler.num_preemptions > 0
+    # Fewer seats than beams: held beams give their seats up too, or a preempted beam would
+    # wait for a seat forever (and its round with it).
+    seats = LLM(str(tiny_llama), num_kv_blocks=24, block_size=4, max_num_seqs=3)
+    assert_equal_hf(seats, tiny_llama, PROMPTS[:3], 4, 14)
 
 
 def test_bad_params_name_the_field(tiny_llama):
     with pytest.raises(ParamError, match="beam_width must be") as err:
         BeamSearchParams(0, 8)
     assert err.value.param == "beam_width"
+    for bad in (1e6, float("nan"), True, "long"):
+        with pytest.raises(ParamError, match="length_penalty must be") as err:
+            BeamSearchParams(2, 8, bad)
+        assert err.value.param == "length_penalty"
     with pytest.raises(ParamError, match="max_tokens must be") as err:
         BeamSearchParams(2, 0)
     assert err.value.param == "max_tokens"

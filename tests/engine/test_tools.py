@@ -90,6 +90,8 @@ def test_parser_reads_content_and_calls():
         '<tool_call>\n{"name": "f", "arguments": 3}',
         [],
     )
+    odd = '<tool_call>\n{"name": "a\\qb", "arguments": {}}'  # not a JSON string: text
+    assert parse_tool_calls(odd) == (odd, [])
     _, cut = parse_tool_calls('<tool_call>\n{"name": "f", "arguments": {"x": [1, ')
     assert [(c.name, c.arguments) for c in cut] == [("f", '{"x": [1, ')]
 

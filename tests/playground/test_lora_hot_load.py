@@ -93,6 +93,7 @@ def test_load_serve_unload(hot, offline, demo_adapters):
         ({"lora_name": "x", "lora_path": "/etc"}, 400, "lora_path", ["--lora-dir"]),
         ({"lora_name": "x", "lora_path": "."}, 400, "lora_path", ["--lora-dir"]),
         ({"lora_name": "x", "lora_path": "missing"}, 400, "lora_path", ["missing"]),
+        ({"lora_name": "x", "lora_path": "a\x00b"}, 400, "lora_path", ["not a usable path"]),
         ({"lora_name": MODEL}, 400, "lora_name", ["taken"]),
         ({"lora_path": "demo-lora-a"}, 400, "lora_name", ["required"]),
         ({"lora_name": "x", "path": "y"}, 400, "path", ["unknown"]),
@@ -135,3 +136,34 @@ def test_concurrent_loads_of_one_name(hot):
     assert models(url) == [MODEL, "race"]
     assert post(url, "/v1/unload_lora_adapter", {"lora_name": "race"}).status_code == 200
     assert models(url) == [MODEL]
+
+
+def test_unload_of_an_adapter_the_registry_evicted(demo_adapters):
+    """With room for one adapter in memory, loading a second evicts the first from the
+    registry; the server still lists it (a request reloads it), and unloading it works."""
+    folder = Path(next(iter(demo_adapters.values())).path).parent
+    state = make_state(
+        MODEL,
+        None,
+        quantization=None,
+        num_kv_blocks=64,
+        enable_lora=True,
+        max_loras=1,
+        max_cpu_loras=1,
+    )
+    state.lora_dir = folder
+    with serving(build_app(state)) as url:
+        for name in ("demo-lora-a", "demo-lora-b"):
+            assert post(url, "/v1/load_lora_adapter", {"lora_name": name}).status_code == 200
+        assert completion(url, "demo-lora-a").status_code == 200  # reloaded on use
+        assert (
+            post(
+                url, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "demo-lora-a"}
+            ).status_code
+            == 200
+        )
+        for name in ("demo-lora-b", "demo-lora-a", "x"):
+            r = post(url, "/v1/unload_lora_adapter", {"lora_name": name})
+            assert r.status_code == 200, r.text
+        assert models(url) == [MODEL]
+    state.engine.shutdown()
