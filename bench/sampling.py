@@ -1,6 +1,6 @@
 """Sampled decoding against greedy, against HF, and top-p with and without its shortcut.
 
-    python -m bench.sampling [--requests 32] [--tokens 48]
+    python -m bench.sampling [--requests 32] [--tokens 48] [--repeats 3]
 
 SmolLM2-135M-Instruct (real weights, float32, one thread), 32 chat prompts in one batch, 48 new
 tokens each, EOS ignored. Four runs of the engine on the same requests:
@@ -12,8 +12,13 @@ tokens each, EOS ignored. Four runs of the engine on the same requests:
 - penalties: top_p plus repetition 1.1, frequency 0.2, presence 0.2, a logit bias, min_tokens 8
   and 2 logprobs per token;
 
-and HF `generate` on the same prompts as one left-padded static batch, greedy and with
-do_sample (temperature 0.8, top-p 0.95). Each figure is the best of two runs.
+and HF `generate` on the same prompts as one left-padded static batch (its default sdpa
+attention and dynamic cache), greedy and with do_sample (temperature 0.8, top-p 0.95).
+
+Fair by construction: the engine's prefix cache is off (the prompts repeat 8 topics, and HF
+recomputes every prompt), one warm-up of every mode first, then --repeats rounds in which all
+six modes run in turn; each figure is the median over the rounds, with its spread (max - min).
+Exits 1 if top_p and top_p_full_sort (same seeds, same rule) differ in any token.
 
 Last line:
     RESULT top_p_x_greedy=.. top_p_x_hf_sampled=.. candidates_x_full_sort=.. penalties_x_top_p=..
@@ -29,6 +34,7 @@ if "torch" not in sys.modules:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -100,10 +106,11 @@ def run_hf(model, prompts: list[list[int]], tokens: int, sampled: bool) -> float
     return time.perf_counter() - t0
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM
@@ -111,39 +118,55 @@ def main(argv: list[str] | None = None) -> None:
     from engine import LLM, sampler
     from engine.models.registry import resolve_model
 
-    llm = LLM(MODEL, quantization=None, num_threads=1, max_num_seqs=args.requests)
+    llm = LLM(
+        MODEL,
+        quantization=None,
+        num_threads=1,
+        max_num_seqs=args.requests,
+        enable_prefix_caching=False,
+    )
+    hf = AutoModelForCausalLM.from_pretrained(str(resolve_model(MODEL)), dtype=torch.float32)
+    hf.eval()
     prompts = [
         llm.apply_chat_template([{"role": "user", "content": TOPICS[i % len(TOPICS)]}])
         for i in range(args.requests)
     ]
     modes = engine_modes(args.tokens)
-    run_engine(llm, prompts[:2], [modes["top_p"](i) for i in range(2)])  # warm-up
-    seconds, ids = {}, {}
     candidates = sampler.TOP_P_CANDIDATES
-    for _ in range(2):
-        for name, make in modes.items():
-            sampler.TOP_P_CANDIDATES = 1 << 30 if name == "top_p_full_sort" else candidates
-            dt, ids[name] = run_engine(llm, prompts, [make(i) for i in range(args.requests)])
-            seconds[name] = min(dt, seconds.get(name, float("inf")))
-    sampler.TOP_P_CANDIDATES = candidates
-    del llm
-    hf = AutoModelForCausalLM.from_pretrained(str(resolve_model(MODEL)), dtype=torch.float32)
-    hf.eval()
-    run_hf(hf, prompts[:2], 4, True)  # warm-up
-    for name, sampled in (("hf_greedy", False), ("hf_top_p", True)):
-        seconds[name] = min(run_hf(hf, prompts, args.tokens, sampled) for _ in range(2))
+
+    def run(name: str) -> tuple[float, list[list[int]] | None]:
+        if name.startswith("hf_"):
+            return run_hf(hf, prompts, args.tokens, name == "hf_top_p"), None
+        sampler.TOP_P_CANDIDATES = 1 << 30 if name == "top_p_full_sort" else candidates
+        try:
+            return run_engine(llm, prompts, [modes[name](i) for i in range(args.requests)])
+        finally:
+            sampler.TOP_P_CANDIDATES = candidates
+
+    names = [*modes, "hf_greedy", "hf_top_p"]
+    for name in names:  # warm-up, every mode alike
+        run(name)
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    ids = {}
+    for _ in range(args.repeats):
+        for name in names:
+            dt, ids[name] = run(name)
+            seconds[name].append(dt)
     total = args.requests * args.tokens
-    for name, s in seconds.items():
-        print(f"{name:16s} {s:7.2f} s  {total / s:7.1f} tok/s")
+    median = {name: statistics.median(v) for name, v in seconds.items()}
+    for name, values in seconds.items():
+        spread, tok_s = max(values) - min(values), total / median[name]
+        print(f"{name:16s} {median[name]:7.2f} s (spread {spread:.2f})  {tok_s:7.1f} tok/s")
     same = sum(a == b for a, b in zip(ids["top_p"], ids["top_p_full_sort"], strict=True))
     print(f"top_p tokens equal with and without the shortcut: {same}/{args.requests}")
     print(
-        f"RESULT top_p_x_greedy={seconds['greedy'] / seconds['top_p']:.2f} "
-        f"top_p_x_hf_sampled={seconds['hf_top_p'] / seconds['top_p']:.2f} "
-        f"candidates_x_full_sort={seconds['top_p_full_sort'] / seconds['top_p']:.2f} "
-        f"penalties_x_top_p={seconds['top_p'] / seconds['penalties']:.2f}"
+        f"RESULT top_p_x_greedy={median['greedy'] / median['top_p']:.2f} "
+        f"top_p_x_hf_sampled={median['hf_top_p'] / median['top_p']:.2f} "
+        f"candidates_x_full_sort={median['top_p_full_sort'] / median['top_p']:.2f} "
+        f"penalties_x_top_p={median['top_p'] / median['penalties']:.2f}"
     )
+    return 0 if same == args.requests else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
