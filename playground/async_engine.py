@@ -119,7 +119,7 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         # Beam searches the loop drives: each sees every step's outputs, and its future (on
         # the caller's event loop) gets the result.
-        self._searches: list[tuple[BeamSearch, asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._searches: list[tuple[BeamSearch, asyncio.Future]] = []
         self._stopped = False
         self.error: BaseException | None = None  # why the loop died, if it did
         self._tokens: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps
@@ -171,7 +171,7 @@ class AsyncEngine:
     def _feed_searches(self, outputs: list[RequestOutput]) -> None:
         """Each beam search takes the step's outputs; finished or failed ones settle."""
         for entry in list(self._searches):
-            search, loop, done = entry
+            search, done = entry
             try:
                 search.feed(outputs)
                 if not search.done:
@@ -181,7 +181,7 @@ class AsyncEngine:
                 search.close()
                 result, error = None, exc
             self._searches.remove(entry)
-            loop.call_soon_threadsafe(_settle, done, result, error)
+            _settle_soon(done, result, error)
 
     def _fail_all(self, exc: BaseException) -> None:
         logger.error("engine step failed; the loop stops", exc_info=exc)
@@ -197,8 +197,8 @@ class AsyncEngine:
                 stream.put(None, EngineDeadError("the engine stopped after an internal error"))
             self._streams.clear()
             dead = EngineDeadError("the engine stopped after an internal error")
-            for _, loop, done in self._searches:
-                loop.call_soon_threadsafe(_settle, done, None, dead)
+            for _, done in self._searches:
+                _settle_soon(done, None, dead)
             self._searches.clear()
 
     def _count_tokens(self, now: float, total: int) -> None:
@@ -233,31 +233,19 @@ class AsyncEngine:
         outputs (params' output_kind is replaced: DELTA); close() it (or cancel its reader) to
         abort the request."""
         params = params.with_output_kind(RequestOutputKind.DELTA)
-        loop = asyncio.get_running_loop()
         # Compile the constraint here, off the loop thread and off the event loop: the engine's
         # add_request then finds it in the cache.
         await asyncio.to_thread(self.engine.compile_constraint, params.structured_outputs)
-        stream = _Stream(loop)
-        added: asyncio.Future = loop.create_future()
-
-        def settle(error: BaseException | None) -> None:
-            if not added.done():
-                added.set_exception(error) if error else added.set_result(None)
+        stream = _Stream(asyncio.get_running_loop())
 
         def add() -> None:
-            try:
-                self.engine.add_request(
-                    request_id, prompt, params, cache_salt=cache_salt, lora_request=lora_request
-                )
-            except Exception as exc:
-                loop.call_soon_threadsafe(settle, exc)
-                return
+            self.engine.add_request(
+                request_id, prompt, params, cache_salt=cache_salt, lora_request=lora_request
+            )
             self._streams[request_id] = stream
-            loop.call_soon_threadsafe(settle, None)
 
-        self._submit(add)
         try:
-            await added
+            await self.call(add)
         except asyncio.CancelledError:  # the caller gave up while the add was queued
             self.abort(request_id)
             raise
@@ -265,20 +253,15 @@ class AsyncEngine:
 
     async def call(self, fn: Callable[[], object]):
         """fn() on the engine loop's thread, between steps; its result or exception."""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future = loop.create_future()
-
-        def settle(result, error: BaseException | None) -> None:
-            if not done.done():
-                done.set_exception(error) if error else done.set_result(result)
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
 
         def command() -> None:
             try:
                 result = fn()
             except Exception as exc:
-                loop.call_soon_threadsafe(settle, None, exc)
+                _settle_soon(done, None, exc)
                 return
-            loop.call_soon_threadsafe(settle, result, None)
+            _settle_soon(done, result)
 
         self._submit(command)
         return await done
@@ -288,8 +271,7 @@ class AsyncEngine:
     ) -> list[BeamSearchOutput]:
         """Run a beam search (engine.beam_search) on the loop; ValueError if the engine refuses
         it. Cancelling the caller aborts its beams."""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future = loop.create_future()
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
 
         def start() -> None:
             search = BeamSearch(self.engine, params)
@@ -298,7 +280,7 @@ class AsyncEngine:
             except BaseException:
                 search.close()
                 raise
-            self._searches.append((search, loop, done))
+            self._searches.append((search, done))
 
         try:
             await self.call(start)
@@ -308,7 +290,7 @@ class AsyncEngine:
             raise
 
     def _cancel_search(self, done: asyncio.Future) -> None:
-        for entry in [e for e in self._searches if e[2] is done]:
+        for entry in [e for e in self._searches if e[1] is done]:
             entry[0].close()
             self._searches.remove(entry)
 
@@ -342,6 +324,11 @@ class AsyncEngine:
             self.engine.abort_request(list(self.engine.groups))
 
 
-def _settle(done: asyncio.Future, result, error: BaseException | None) -> None:
-    if not done.done():
-        done.set_exception(error) if error else done.set_result(result)
+def _settle_soon(done: asyncio.Future, result, error: BaseException | None = None) -> None:
+    """Settle an event-loop future from the engine's thread (a later settle is ignored)."""
+
+    def settle() -> None:
+        if not done.done():
+            done.set_exception(error) if error else done.set_result(result)
+
+    done.get_loop().call_soon_threadsafe(settle)

@@ -152,6 +152,10 @@ def _check_hot_loading(state: ServerState) -> None:
         raise APIError("adapter loading is off: start the server with --lora-dir DIR", status=404)
 
 
+def _name_taken(name: str) -> APIError:
+    return APIError(f"the name {name!r} is taken; unload it first", "lora_name")
+
+
 def _hot_adapter(state: ServerState, body: dict) -> LoRARequest:
     """The adapter a load names: lora_path (default: lora_name) inside the server's lora_dir;
     a path that leaves it (.., an absolute path elsewhere, a symlink out) is refused."""
@@ -159,8 +163,8 @@ def _hot_adapter(state: ServerState, body: dict) -> LoRARequest:
     name = body.get("lora_name")
     if not name:
         raise APIError("lora_name is required", "lora_name")
-    if name in state.adapters or name == state.model_name:
-        raise APIError(f"the name {name!r} is taken; unload it first", "lora_name")
+    if name == state.model_name:  # (a loaded adapter's name: load() checks, on the loop)
+        raise _name_taken(name)
     root = state.lora_dir.resolve()
     try:
         path = (root / body.get("lora_path", name)).resolve()
@@ -181,7 +185,7 @@ def _add_lora_routes(app: FastAPI, state: ServerState) -> None:
 
         def load() -> None:  # on the loop thread: loads and unloads of one name take turns
             if adapter.name in state.adapters:
-                raise APIError(f"the name {adapter.name!r} is taken; unload it first", "lora_name")
+                raise _name_taken(adapter.name)
             try:
                 state.engine.engine.load_lora(adapter)
             except ValueError as exc:
@@ -341,16 +345,14 @@ async def _beam_search(state: ServerState, request: Request, body: dict, kind: s
     _check_max_tokens(state, ids, params, "messages" if is_chat else "prompt")
     search = asyncio.ensure_future(state.engine.beam_search(ids, params))
     try:
-        while not (await asyncio.wait([search], timeout=_DISCONNECT_POLL_S))[0]:
-            if await request.is_disconnected():  # nobody is listening: its beams are aborted
-                search.cancel()
-                return Response(status_code=499)
-        outs = search.result()
-    except EngineDeadError as exc:
-        raise APIError(str(exc), status=503, type="server_error") from None
+        found = await _results_unless_disconnected(request, [search])
     except ValueError as exc:
         raise protocol.param_error(exc, body, "use_beam_search") from None
-    return JSONResponse(responses.final_response(ctx, responses.beam_outputs(outs, n)))
+    finally:
+        search.cancel()  # (done already, or its client left: its beams are aborted)
+    if found is None:
+        return Response(status_code=499)  # nobody is listening
+    return JSONResponse(responses.final_response(ctx, responses.beam_outputs(found[0], n)))
 
 
 def request_failed(out: RequestOutput) -> APIError:
@@ -387,6 +389,17 @@ async def _collect_unless_disconnected(
     """Wait for every request to finish; None (all aborted) if the client goes away first."""
     tasks = [asyncio.ensure_future(s.last()) for s in streams]
     try:
+        return await _results_unless_disconnected(request, tasks)
+    finally:
+        await _cancel_and_close(tasks, streams)
+
+
+async def _results_unless_disconnected(
+    request: Request, tasks: list[asyncio.Future]
+) -> list | None:
+    """Every task's result; None if the client goes away first (the caller stops the tasks).
+    The first task to fail raises at once; an engine that died is a 503."""
+    try:
         while True:
             done, pending = await asyncio.wait(tasks, timeout=_DISCONNECT_POLL_S)
             if not pending:
@@ -397,8 +410,6 @@ async def _collect_unless_disconnected(
                 return None
     except EngineDeadError as exc:
         raise APIError(str(exc), status=503, type="server_error") from None
-    finally:
-        await _cancel_and_close(tasks, streams)
 
 
 async def _cancel_and_close(tasks: list[asyncio.Future], streams: list[RequestStream]) -> None:
