@@ -210,18 +210,19 @@ class BeamSearch:
             del search.finished[width:]
         going = [c for c, end in zip(candidates, ends, strict=True) if not end][:width]
         if at_limit or not going:
-            search.done = True
-            self._drop(search.beams)
-            search.beams = []
+            self._finish(search)
             return
         search.beams = self._next_beams(search, going)
-        best = search.beams[0].score / ((num_tokens) ** p.length_penalty)
+        best = search.beams[0].score / (num_tokens**p.length_penalty)
         if len(search.finished) == width and not best > search.finished[-1][0]:
             search.improvable = False
-        if not search.improvable:
-            search.done = True
-            self._drop(search.beams)
-            search.beams = []
+            self._finish(search)
+
+    def _finish(self, search: _Search) -> None:
+        """The search ends: its live beams are dropped (its finished hypotheses stay)."""
+        search.done = True
+        self._drop(search.beams)
+        search.beams = []
 
     def _generated(self, search: _Search, beam: _Beam) -> list[int]:
         """The beam's generated tokens before this round's (its last token is the step's own

@@ -194,11 +194,7 @@ class LLM:
         per prompt, params.beam_width sequences, best first."""
         prompts, _ = self._normalize(prompts, None)
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
-        limit = self.engine.max_model_len
-        for prompt in ids:
-            need = SamplingParams(max_tokens=params.max_tokens)
-            self.engine.scheduler.check_fits(len(prompt), need, limit)
-        try:
+        try:  # (each prompt's first beam is checked as every request is; a refusal aborts all)
             return BeamSearch(self.engine, params).run(ids)
         finally:
             self._settle()

@@ -129,17 +129,23 @@ class Scheduler:
             budget -= num_new
         return out
 
-    def _held_running(self) -> list[Request]:
-        return [r for r in self.running if r in self.held] if self.held else []
+    def _last_held(self) -> Request | None:
+        """The latest running request that is held (it gives way first under pressure)."""
+        if not self.held:
+            return None
+        return next((r for r in reversed(self.running) if r in self.held), None)
 
     def _make_way(self, out: SchedulerOutput) -> None:
         """A waiting request found no seat or no blocks: a held request (which waits for it,
         e.g. a beam for the rest of its round) gives its own up, or the round never ends."""
-        held = self._held_running()
-        if held:
-            self.running.remove(held[-1])
-            self.preempt(held[-1])
-            out.preempted.append(held[-1])
+        victim = self._last_held()
+        if victim is not None:
+            self._evict(victim, out)
+
+    def _evict(self, victim: Request, out: SchedulerOutput) -> None:
+        self.running.remove(victim)
+        self.preempt(victim)
+        out.preempted.append(victim)
 
     def _lora_fits(self, request: Request, loras: tuple[set, set]) -> bool:
         """Its adapters (target's, draft's) are in this step already or still have a slot."""
@@ -179,11 +185,8 @@ class Scheduler:
             if ok:
                 self._emit(out, request, num_new + num_drafts, num_drafts, copy)
                 return True
-            held = self._held_running()  # held requests give way first
-            victim = held[-1] if held else self.running[-1]
-            self.running.remove(victim)
-            self.preempt(victim)
-            out.preempted.append(victim)
+            victim = self._last_held() or self.running[-1]  # held requests give way first
+            self._evict(victim, out)
             if victim is request:
                 return False
 

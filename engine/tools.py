@@ -87,7 +87,6 @@ class Tools:
     tools: tuple[dict, ...]
     choice: str | dict = "auto"  # "none" | "auto" | "required" | {"type": "function", ...}
     parallel: bool = True
-    names: tuple[str, ...] = field(default=(), repr=False)
 
     @classmethod
     def parse(cls, tools=None, tool_choice=None, parallel_tool_calls=None) -> Tools | None:
@@ -125,7 +124,11 @@ class Tools:
                 f"tool_choice must be one of {list(CHOICES)} or a named function, "
                 f"got {choice!r:.80}",
             )
-        return cls(tuple(tools), choice, parallel_tool_calls is not False, names)
+        return cls(tuple(tools), choice, parallel_tool_calls is not False)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(t["function"]["name"] for t in self.tools)
 
     @property
     def in_prompt(self) -> list[dict] | None:
@@ -234,7 +237,7 @@ def render_messages(
         out.append(m)
     if knows_tools:
         return out
-    plain = []
+    plain, after_tool = [], False
     for m in out:
         if m.get("tool_calls"):
             calls = "\n".join(_call_text(c) for c in m["tool_calls"])
@@ -242,14 +245,13 @@ def render_messages(
             plain.append({"role": "assistant", "content": text})
         elif m["role"] == "tool":
             text = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
-            if plain and plain[-1].get("tool_results"):  # one user message for adjacent results
+            if after_tool:  # one user message for adjacent results
                 plain[-1]["content"] += "\n" + text
             else:
-                plain.append({"role": "user", "content": text, "tool_results": True})
+                plain.append({"role": "user", "content": text})
         else:
             plain.append(m)
-    for m in plain:
-        m.pop("tool_results", None)
+        after_tool = m["role"] == "tool"
     if tools:
         listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
         instructions = _SYSTEM_TOOLS.format(tools=listing)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from engine.beam_search import BeamSearchOutput
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.spec_stats import SpecStats
-from engine.tools import ToolCallParser
+from engine.tools import ToolCallParser, parse_tool_calls
 
 
 @dataclass
@@ -155,24 +155,32 @@ def _chat_choice(ctx: ResponseContext, index: int, c: CompletionOutput, delta: b
     if not ctx.tools:
         message = {"role": "assistant", "content": c.text}
         return {"index": index, "message": message, "finish_reason": finish}
-    parser = ctx.parsers.setdefault(index, ToolCallParser()) if delta else ToolCallParser()
+    if not delta:
+        content, calls = parse_tool_calls(c.text)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [
+                {
+                    "id": t.id,
+                    "type": "function",
+                    "function": {"name": t.name, "arguments": t.arguments},
+                }
+                for t in calls
+            ]
+        return {"index": index, "message": message, "finish_reason": _tool_finish(finish, calls)}
+    parser = ctx.parsers.setdefault(index, ToolCallParser())
     new = parser.feed(parser.text + c.text)
     if finish is not None:
         new.content += parser.finish().content
-    if parser.calls and finish == "stop":
-        finish = "tool_calls"
-    if delta:
-        piece = {"content": new.content} if new.content else {}
-        if new.calls:
-            piece["tool_calls"] = new.calls
-        return {"index": index, "delta": piece, "finish_reason": finish}
-    message = {"role": "assistant", "content": parser.content}
-    if parser.calls:
-        message["tool_calls"] = [
-            {"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}}
-            for t in parser.tool_calls
-        ]
-    return {"index": index, "message": message, "finish_reason": finish}
+    piece = {"content": new.content} if new.content else {}
+    if new.calls:
+        piece["tool_calls"] = new.calls
+    return {"index": index, "delta": piece, "finish_reason": _tool_finish(finish, parser.calls)}
+
+
+def _tool_finish(finish: str | None, calls: list) -> str | None:
+    """OpenAI's finish_reason for an answer that made calls and stopped on its own."""
+    return "tool_calls" if calls and finish == "stop" else finish
 
 
 def _completion_choice(
