@@ -1,0 +1,17 @@
+"""The pytest-benchmark suite: `make bench` (or `make bench QUICK=1`) runs it; `make test` never
+collects it (the test command reads tests/ only, and these files are named bench_*.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("tandem bench")
+    group.addoption("--quick", action="store_true", help="the quick subset (make bench QUICK=1)")
+    group.addoption(
+        "--llama-cpp",
+        default=None,
+        help="folder with llama.cpp's llama-bench (default: $TANDEM_LLAMA_CPP; absent: skipped)",
+    )
+    group.addoption("--repeats", type=int, default=3, help="alternating rounds per group")
