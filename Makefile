@@ -29,7 +29,20 @@ $(CHROMIUM_STAMP):
 	# marked done only once chromium is there (a failed install is tried again next time)
 	if command -v chromium >/dev/null; then touch $@; fi
 
-.PHONY: install run generate test lint
+# The pytest-benchmark suite (bench/suite, never collected by `make test`). Every run is saved
+# under .benchmarks/ and charted per group in bench/charts/ (SVG, pygal: pytest-benchmark's
+# histogram extra, installed here only). `make bench QUICK=1`: the quick subset (< 10 minutes on
+# 2 cores). `make bench-compare [BASE=0003]`: the newest saved run against BASE (default: the one
+# before it); fails on a regression beyond bench/compare.py's threshold.
+BENCH_STAMP := $(VENV)/.bench-installed
+BENCH_ARGS ?=
+QUICK ?=
+BASE ?=
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/pip install -q pygal==3.0.5 pygaljs==1.0.2
+	touch $@
+
+.PHONY: install run generate test lint bench bench-compare
 install: $(STAMP)
 
 run: $(STAMP)
@@ -40,6 +53,16 @@ generate: $(STAMP)
 
 test: $(STAMP) $(CHROMIUM_STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: $(BENCH_STAMP)
+	mkdir -p bench/charts
+	$(BIN)/python -m pytest bench/suite -p no:cacheprovider -o python_files='bench_*.py' \
+		-o addopts='' -o timeout=3600 --benchmark-autosave --benchmark-sort=name \
+		--benchmark-columns=median,iqr,min,max,rounds --benchmark-histogram=bench/charts/latest \
+		$(if $(QUICK),--quick) $(BENCH_ARGS)
+
+bench-compare: $(STAMP)
+	$(BIN)/python -m bench.compare $(BASE)
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -26,9 +26,10 @@ HF_SETTINGS = {
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     fast = quick(metafunc.config)
     if "prompt_len" in metafunc.fixturenames:
-        metafunc.parametrize("prompt_len", [64, 512] if fast else [64, 512, 2048], scope="module")
+        lengths = [64, 512] if fast else [64, 512, 2048]
+        metafunc.parametrize("prompt_len", lengths, ids=lambda n: f"p{n}", scope="module")
     if "threads" in metafunc.fixturenames:
-        metafunc.parametrize("threads", [1, 2], scope="module")
+        metafunc.parametrize("threads", [1, 2], ids=lambda n: f"t{n}", scope="module")
 
 
 @functools.cache

@@ -30,6 +30,7 @@ def repeats(config: pytest.Config) -> int:
 def record(benchmark, group: str, timings: Timings, metric: str, **extra) -> None:
     """Hand `timings`' values of `metric` (seconds) to pytest-benchmark as its rounds."""
     benchmark.group = group
+    benchmark._mode = "alternated rounds"  # the fixture was used (else pytest-benchmark warns)
     benchmark.extra_info.update(
         metric=metric,
         load_average=round(statistics.median(timings.loads), 2),
