@@ -3,6 +3,10 @@ workload? A lower bound from measured pieces, to set against 10x HF sequential.
 
     python -m bench.floor [--hf-seq-seconds S]
 
+Without --hf-seq-seconds it times HF sequential on the same workload itself (the slow part,
+~11 minutes on one thread); pass a figure only when it was measured on this machine in the
+same session (bench.throughput's hf_seq mode prints it).
+
 One thread. It times the engine's own linear kernels (oneDNN packed weights, the faster of the
 options measured in bench/RESULTS.md) for one SmolLM2 layer's four projections at each batch
 size the workload's decode steps have, times 30 layers, plus the LM head; prefill at 1024-row
@@ -84,10 +88,18 @@ def torch_decode_attention_seconds(cfg, contexts_per_step: list[list[int]]) -> f
     return total * cfg.num_layers
 
 
+def hf_seq_seconds(wl) -> float:
+    """HF `generate` one request at a time over the whole workload (bench.hf_baselines)."""
+    from bench.hf_baselines import load_hf_model, run_hf_seq
+
+    print("# timing HF sequential on the whole workload (no --hf-seq-seconds given)")
+    return run_hf_seq(load_hf_model(), wl, None).seconds
+
+
 @torch.inference_mode()
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--hf-seq-seconds", type=float, default=637.6, help="measured hf_seq time")
+    ap.add_argument("--hf-seq-seconds", type=float, default=None, help="hf_seq time, measured")
     ap.add_argument("--token-budget", type=int, default=1024)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -140,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     ]
     torch_attention = torch_decode_attention_seconds(cfg, steps)
     torch_floor = floor - kv_read + torch_attention
+    if args.hf_seq_seconds is None:
+        args.hf_seq_seconds = hf_seq_seconds(wl)
     budget = args.hf_seq_seconds / 10
     print(f"# workload: {prompt_tokens} prompt tokens, {sum(wl.out_lens)} output tokens")
     print(f"prefill projections ({args.token_budget}-row chunks): {prefill:.1f} s")
@@ -154,9 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"floor {floor:.1f} s; 10x HF sequential ({args.hf_seq_seconds:.1f} s) needs {budget:.1f} s"
     )
-    print(
-        f"decode attention, the engine's torch op at each step's contexts: {torch_attention:.1f} s"
-    )
+    print(f"decode attention, the torch op at each step's contexts: {torch_attention:.1f} s")
     print(f"floor with the torch attention {torch_floor:.1f} s")
     print(
         f"RESULT floor_seconds={floor:.1f} max_x_hf_seq={args.hf_seq_seconds / floor:.2f} "
