@@ -31,12 +31,9 @@ def record(benchmark, group: str, timings: Timings, metric: str, **extra) -> Non
     """Hand `timings`' values of `metric` (seconds) to pytest-benchmark as its rounds."""
     benchmark.group = group
     benchmark._mode = "alternated rounds"  # the fixture was used (else pytest-benchmark warns)
-    benchmark.extra_info.update(
-        metric=metric,
-        load_average=round(statistics.median(timings.loads), 2),
-        **{k: v for k, v in timings.info.items() if not isinstance(v, list)},
-        **extra,
-    )
+    info = {k: v for k, v in timings.info.items() if not isinstance(v, list)}  # the last run's
+    load = round(statistics.median(timings.loads), 2)
+    benchmark.extra_info.update({**info, "metric": metric, "load_average": load, **extra})
     stats = benchmark._make_stats(1)  # one iteration per round, as pedantic(rounds=n) records
     for value in timings.values(metric):
         stats.update(value)
