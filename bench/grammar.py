@@ -1,30 +1,32 @@
 """Grammar-constrained decoding: what the masks cost, and what grammar-forced drafts save.
 
-    python -m bench.grammar [--batches 1,16] [--max-tokens 160] [--repeats 2] [--no-hf]
+    python -m bench.grammar [--batches 1,16] [--max-tokens 160] [--repeats 3] [--no-hf]
 
-SmolLM2-135M-Instruct, one thread, greedy, JSON-schema prompts whose schemas have long fixed
-keys (the model is asked for one JSON object; the schema's keys are also listed in the prompt,
-as users usually do). At each batch size, in the same run, alternating modes --repeats times
-(best time kept):
+SmolLM2-135M-Instruct, exact weights, one thread, greedy, prefix caching off, JSON-schema
+prompts whose schemas have long fixed keys (the model is asked for one JSON object; the schema's
+keys are also listed in the prompt, as users usually do). At batch 1 four requests run one at a
+time; at batch b, b distinct requests run together. Modes, each its own engine:
 
 - constrained: xgrammar masks only (no speculation, forced tokens off);
-- unconstrained: the same prompts without a constraint, ignore_eos, each request generating
+- unconstrained: the same prompts without a constraint, EOS ignored, each request generating
   exactly as many tokens as its constrained output had (same batch shapes, same token count);
 - forced: constrained, grammar-forced tokens as free drafts (no proposer);
-- forced+ngram: constrained, forced tokens plus n-gram prompt lookup (adaptive speculation).
+- forced+ngram: constrained, forced tokens plus n-gram prompt lookup (adaptive speculation);
+- hf (batch 1, unless --no-hf): HF transformers `generate()` at its fastest measured setting
+  (bench/decode.py's HF_FASTEST) with xgrammar's own HF logits processor, same grammars.
 
-Outputs of forced and forced+ngram are checked equal to constrained, token for token. At batch
-1 each prompt runs alone; at batch b, b distinct prompts run together. Also at batch 1, HF
-transformers `generate()` with xgrammar's own HF logits processor on the same prompts and
-constraints (outputs compared).
+Fair by construction (bench/harness.py): constraints are compiled before any timing, every mode
+is warmed up once on the same requests as its timed runs (the constrained warm-up also gives
+unconstrained its token counts), then --repeats rounds alternate the modes; figures are medians
+with their spread. forced, forced+ngram and hf must equal constrained token for token, else the
+script exits 1 (RESULT is printed anyway). Counters are summed over each mode's own timed runs.
 
 grammar_overhead = the share of the constrained runs' wall time spent in grammar work (masks,
-commits; timed inside the engine, `snapshot()["grammar"]["seconds"]`), worst batch size. The
-wall-time A/B against unconstrained is printed too, but on this shared VM back-to-back runs of
-one mode differ by up to 10%, far more than the 1-2% the grammar costs, so it cannot resolve a
-5% target;
-grammar_spec_speedup = constrained / forced+ngram seconds (worst batch size); forced_token_share
-= forced tokens accepted / output tokens in the forced+ngram runs. Last line:
+commits; timed inside the engine, `engine.grammar.seconds`), worst batch size. The wall-time
+A/B against unconstrained is printed too, but back-to-back runs of one mode on a shared machine
+differ by more than the 1-2% the grammar costs; grammar_spec_speedup = median constrained /
+median forced+ngram seconds (worst batch size); forced_token_share = forced tokens accepted /
+output tokens in the forced+ngram runs. Last line:
     RESULT grammar_overhead=.. grammar_spec_speedup=.. forced_token_share=..
 """
 
@@ -40,8 +42,11 @@ import argparse
 import gc
 import json
 import time
+from collections.abc import Callable
 
 import torch
+
+from bench.harness import Run, Timings, alternate, summary, unequal
 
 MODEL = "smollm2-135m-instruct"
 
@@ -119,86 +124,63 @@ def requests(n: int) -> list[tuple[str, str]]:
     return out
 
 
-MODES = {  # prefix caching off: every run computes every prompt
+MODES = {  # engine arguments (every engine: exact weights, one thread, prefix caching off)
     "constrained": {"grammar_forced_tokens": False},
     "unconstrained": {"grammar_forced_tokens": False},
     "forced": {"grammar_forced_tokens": True},
     "forced+ngram": {"grammar_forced_tokens": True, "speculative_method": "ngram"},
 }
+EXACT = ["forced", "forced+ngram", "hf"]  # must equal constrained token for token
+COUNTERS = ("steps", "drafts", "accepted", "forced", "forced_accepted", "grammar_seconds")
 
 
-def run(llm, prompts, params, batch: int) -> tuple[float, list]:
-    """Wall seconds and outputs; batch 1 runs the prompts one at a time."""
-    t0 = time.perf_counter()
-    if batch == 1:
-        outs = [
-            llm.generate([p], [sp], use_tqdm=False)[0]
-            for p, sp in zip(prompts, params, strict=True)
-        ]
-    else:
-        outs = llm.generate(prompts, params, use_tqdm=False)
-    return time.perf_counter() - t0, outs
+def engines(max_batch: int) -> dict:
+    from engine import LLM
+
+    # 16 MiB a request holds ~350 tokens of SmolLM2 (46 KiB each): a prompt (< 100 tokens), the
+    # output (160 by default) and the lookahead slots of its drafts.
+    kv = (64 << 20) + max_batch * (16 << 20)
+    common = dict(quantization=None, num_threads=1, enable_prefix_caching=False)
+    return {m: LLM(MODEL, kv_cache_memory_bytes=kv, **common, **kw) for m, kw in MODES.items()}
 
 
-def bench_batch(llms, batch: int, max_tokens: int, repeats: int) -> dict:
-    from engine import SamplingParams
-    from engine.grammar import StructuredOutputs
-
-    items = requests(4 if batch == 1 else batch)
-    tok_llm = llms["constrained"]
-    prompts = [tok_llm.apply_chat_template([{"role": "user", "content": m}]) for _, m in items]
-    constrained = [
-        SamplingParams(
-            temperature=0,
-            max_tokens=max_tokens,
-            structured_outputs=StructuredOutputs(json=SCHEMAS[name]),
-        )
-        for name, _ in items
-    ]
-    for llm in llms.values():  # compile once per engine, outside the timings
-        for p in constrained:
-            llm.engine.compile_constraint(p.structured_outputs)
-    _, ref = run(tok_llm, prompts, constrained, batch)
-    lengths = [len(o.outputs[0].token_ids) for o in ref]
-    plain = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
-    best = {m: float("inf") for m in MODES}
-    stats, grammar_share = {}, {}
-    for _ in range(repeats):
-        for mode, llm in llms.items():
-            params = plain if mode == "unconstrained" else constrained
-            spec_before = llm.engine.speculation.stats.as_dict()
-            grammar_before = llm.engine.grammar.seconds
-            gc.collect()
-            seconds, outs = run(llm, prompts, params, batch)
-            if seconds < best[mode]:
-                best[mode] = seconds
-                grammar_share[mode] = (llm.engine.grammar.seconds - grammar_before) / seconds
-            got = [o.outputs[0].token_ids for o in outs]
-            if mode == "unconstrained":
-                assert [len(t) for t in got] == lengths
-            else:
-                assert got == [o.outputs[0].token_ids for o in ref], f"{mode}: outputs differ"
-            after = llm.engine.speculation.stats.as_dict()
-            stats[mode] = {
-                k: after[k] - spec_before[k]
-                for k in ("num_forced", "num_forced_accepted", "num_drafts", "num_accepted")
-            }
-    valid = sum(
-        _valid(o.outputs[0].text, SCHEMAS[name]) for o, (name, _) in zip(ref, items, strict=True)
-    )
-    tokens = sum(lengths)
+def counters(llm) -> dict[str, float]:
+    """The engine's running totals: speculation counters and seconds of grammar work."""
+    s, grammar = llm.engine.speculation.stats, llm.engine.grammar
     return {
-        "batch": batch,
-        "requests": len(items),
-        "tokens": tokens,
-        "valid": valid,
-        "seconds": best,
-        "ms_per_token": {m: 1000 * s / tokens for m, s in best.items()},
-        "stats": stats,
-        "grammar_share": grammar_share,
-        "sample": ref[0].outputs[0].text,
-        "outputs": [o.outputs[0].token_ids for o in ref],
+        "steps": s.num_steps,
+        "drafts": s.num_drafts,
+        "accepted": s.num_accepted,
+        "forced": s.num_forced,
+        "forced_accepted": s.num_forced_accepted,
+        "grammar_seconds": grammar.seconds if grammar is not None else 0.0,
     }
+
+
+def engine_mode(llm, prompts, params: Callable[[], list], one_at_a_time: bool, schemas=None):
+    """One run: every prompt, one request at a time (batch 1) or all together. Metrics: wall
+    seconds and this run's counter deltas; info: tokens, and valid JSON outputs when `schemas`."""
+
+    def run() -> Run:
+        sampling = params()
+        before = counters(llm)
+        gc.collect()
+        t0 = time.perf_counter()
+        if one_at_a_time:
+            pairs = zip(prompts, sampling, strict=True)
+            outs = [llm.generate([p], [sp], use_tqdm=False)[0] for p, sp in pairs]
+        else:
+            outs = llm.generate(prompts, sampling, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        after = counters(llm)
+        ids = [o.outputs[0].token_ids for o in outs]
+        info = {"tokens": sum(map(len, ids)), "requests": len(ids)}
+        if schemas is not None:
+            texts = [o.outputs[0].text for o in outs]
+            info["valid_json"] = sum(map(_valid, texts, schemas))
+        return Run({"seconds": seconds, **{k: after[k] - before[k] for k in after}}, ids, info)
+
+    return run
 
 
 def _valid(text: str, sch: dict) -> bool:
@@ -211,115 +193,177 @@ def _valid(text: str, sch: dict) -> bool:
         return False
 
 
-def hf_batch1(tokenizer_llm, max_tokens: int, repeats: int) -> dict:
-    """HF generate() + xgrammar's HF logits processor, one prompt at a time."""
+def hf_mode(model, tokenizer, prompts, schemas, max_tokens: int) -> Callable[[], Run]:
+    """HF generate() + xgrammar's HF logits processor, one prompt at a time, grammars compiled
+    here (outside the timings, as the engine's are)."""
     import xgrammar as xgr
-    from transformers import AutoModelForCausalLM
 
-    from engine.models.registry import resolve_model
+    from bench.decode import HF_FASTEST
 
-    path = resolve_model(MODEL)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    tok = tokenizer_llm.tokenizer
-    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=model.config.vocab_size)
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=model.config.vocab_size)
     compiler = xgr.GrammarCompiler(info, max_threads=1)
-    items = requests(4)
-    best, outs = float("inf"), []
-    for _ in range(repeats):
-        t0, outs, tokens = time.perf_counter(), [], 0
-        for name, message in items:
-            ids = tokenizer_llm.apply_chat_template([{"role": "user", "content": message}])
-            compiled = compiler.compile_json_schema(json.dumps(SCHEMAS[name]), any_whitespace=False)
-            processor = xgr.contrib.hf.LogitsProcessor(compiled)
-            with torch.inference_mode():
-                out = model.generate(
-                    torch.tensor([ids]),
-                    attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                    do_sample=False,
-                    max_new_tokens=max_tokens,
-                    logits_processor=[processor],
-                    pad_token_id=tok.eos_token_id,
-                )
-            new = out[0, len(ids) :].tolist()
-            outs.append(new)
-            tokens += len(new)
-        best = min(best, time.perf_counter() - t0)
-    return {"seconds": best, "tokens": tokens, "outputs": outs}
+    grammars = [compiler.compile_json_schema(json.dumps(s), any_whitespace=False) for s in schemas]
+    cache = HF_FASTEST["cache_implementation"]
+    extra = {"cache_implementation": cache} if cache else {}
 
-
-def report(results: list[dict]) -> tuple[list[float], list[float], float]:
-    """Print the table; (overhead per batch, forced+ngram speedup per batch, forced share)."""
-    print(
-        "\n| batch | requests | tokens | valid JSON | mode | seconds | ms/token | speedup "
-        "| grammar work | forced accepted / drafted | all drafts accepted / drafted |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    overheads, speedups, forced, tokens = [], [], 0, 0
-    for r in results:
-        base = r["seconds"]["constrained"]
-        for mode in MODES:
-            s, st = r["seconds"][mode], r["stats"][mode]
-            cells = [
-                r["batch"],
-                r["requests"],
-                r["tokens"],
-                f"{r['valid']}/{r['requests']}",
-                mode,
-                f"{s:.2f}",
-                f"{r['ms_per_token'][mode]:.1f}",
-                f"{base / s:.2f}x",
-                f"{100 * r['grammar_share'][mode]:.1f}%",
-                f"{st['num_forced_accepted']} / {st['num_forced']}",
-                f"{st['num_accepted']} / {st['num_drafts']}",
-            ]
-            print("| " + " | ".join(str(c) for c in cells) + " |")
-        overheads.append(r["grammar_share"]["constrained"])
-        speedups.append(base / r["seconds"]["forced+ngram"])
-        forced += r["stats"]["forced+ngram"]["num_forced_accepted"]
-        tokens += r["tokens"]
-        ab = base / r["seconds"]["unconstrained"] - 1
-        print(
-            f"# batch {r['batch']}: grammar work {overheads[-1]:.3f} of constrained wall time "
-            f"(wall-time A/B vs unconstrained {ab:+.3f}); forced+ngram {speedups[-1]:.2f}x"
+    @torch.inference_mode()
+    def run() -> Run:
+        outs = []
+        t0 = time.perf_counter()
+        for ids, grammar in zip(prompts, grammars, strict=True):
+            out = model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=max_tokens,
+                logits_processor=[xgr.contrib.hf.LogitsProcessor(grammar)],  # one per request
+                pad_token_id=tokenizer.eos_token_id,
+                **extra,
+            )
+            outs.append(out[0, len(ids) :].tolist())
+        seconds = time.perf_counter() - t0
+        return Run(
+            {"seconds": seconds}, outs, {"tokens": sum(map(len, outs)), "requests": len(outs)}
         )
-        print(f"#   first output: {r['sample']}")
-    return overheads, speedups, forced / tokens
+
+    return run
+
+
+def measure_batch(llms, batch: int, max_tokens: int, repeats: int, num_requests=None, hf=None):
+    """Every mode on the same requests (4 one at a time at batch 1, else `batch` together;
+    num_requests overrides the count), alternated. hf: an HF model to add the hf mode."""
+    from engine import SamplingParams
+    from engine.grammar import StructuredOutputs
+
+    items = requests(num_requests or (4 if batch == 1 else batch))
+    schemas = [SCHEMAS[name] for name, _ in items]
+    llm = llms["constrained"]
+    prompts = [llm.apply_chat_template([{"role": "user", "content": m}]) for _, m in items]
+    constrained = [
+        SamplingParams(
+            temperature=0, max_tokens=max_tokens, structured_outputs=StructuredOutputs(json=s)
+        )
+        for s in schemas
+    ]
+    for engine_llm in llms.values():  # compile once per engine, outside the timings
+        for p in constrained:
+            engine_llm.engine.compile_constraint(p.structured_outputs)
+    lengths: list[int] = []  # constrained outputs' token counts, set by its warm-up run
+
+    def unconstrained() -> list:
+        assert lengths, "constrained runs before unconstrained (MODES' order)"
+        return [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+
+    modes = {}
+    for mode, engine_llm in llms.items():
+        if mode == "unconstrained":
+            modes[mode] = engine_mode(engine_llm, prompts, unconstrained, batch == 1)
+        else:
+            modes[mode] = engine_mode(engine_llm, prompts, lambda: constrained, batch == 1, schemas)
+    timed_constrained = modes["constrained"]
+
+    def constrained_run() -> Run:
+        run = timed_constrained()
+        lengths[:] = [len(ids) for ids in run.outputs]
+        return run
+
+    modes["constrained"] = constrained_run
+    if hf is not None and batch == 1:
+        modes["hf"] = hf_mode(hf, llm.tokenizer, prompts, schemas, max_tokens)
+    return alternate(modes, repeats, threads=1)
+
+
+def measure(batches, max_tokens: int, repeats: int, num_requests=None, hf: bool = False):
+    """{batch: {mode: Timings}}, the engines built once for every batch size."""
+    from bench.decode import HF_FASTEST, load_hf
+
+    torch.set_num_threads(1)
+    llms = engines(max(batches))
+    model = load_hf(HF_FASTEST["attn_implementation"]) if hf and 1 in batches else None
+    return {b: measure_batch(llms, b, max_tokens, repeats, num_requests, model) for b in batches}
+
+
+def problems(timings: dict[str, Timings]) -> dict[str, str]:
+    """Modes whose outputs break their rule: EXACT modes equal to constrained token for token,
+    unconstrained exactly as many tokens per request as constrained."""
+    found = unequal(timings, "constrained", [m for m in EXACT if m in timings])
+    want = [len(ids) for ids in timings["constrained"].outputs]
+    got = [len(ids) for ids in timings["unconstrained"].outputs]
+    if got != want:
+        found["unconstrained"] = f"token counts {got} against constrained's {want}"
+    return found
+
+
+def grammar_summary(t: Timings) -> dict:
+    """Throughput at the median time; for engine modes, over this mode's own timed runs:
+    grammar_share = grammar seconds / wall seconds; forced_share = forced drafts accepted /
+    output tokens; forced_acceptance = forced accepted / forced drafted; acceptance (all
+    drafts) = accepted / drafted; accepted_per_step = accepted drafts per verification step."""
+    tokens = t.info["tokens"]
+    out = {"tokens_per_s": round(tokens / t.median("seconds"), 2)}
+    if "drafts" not in t.runs[0].metrics:
+        return out
+    n = {m: sum(t.values(m)) for m in COUNTERS}
+
+    def ratio(a: float, b: float) -> float:
+        return round(a / b, 4) if b else 0.0
+
+    out.update(
+        grammar_share=ratio(n["grammar_seconds"], sum(t.values("seconds"))),
+        forced_share=ratio(n["forced_accepted"], tokens * len(t.runs)),
+        forced_acceptance=ratio(n["forced_accepted"], n["forced"]),
+        acceptance=ratio(n["accepted"], n["drafts"]),
+        accepted_per_step=ratio(n["accepted"], n["steps"]),
+    )
+    return out
+
+
+def report(batch: int, timings: dict[str, Timings]) -> None:
+    base = timings["constrained"]
+    tokens, requests_ = base.info["tokens"], base.info["requests"]
+    print(f"-- batch {batch}: {requests_} requests, {tokens} tokens, wall seconds per run")
+    print(summary(timings, "seconds"))
+    for mode, t in timings.items():
+        s, seconds = grammar_summary(t), t.median("seconds")
+        line = f"[batch {batch}/{mode}] {1e3 * seconds / tokens:.1f} ms/token, "
+        line += f"{base.median('seconds') / seconds:.2f}x constrained"
+        if "grammar_share" in s:
+            line += (
+                f"; grammar work {s['grammar_share']:.1%}, forced share {s['forced_share']:.2f}, "
+                f"forced accepted {s['forced_acceptance']:.2f}, all drafts accepted "
+                f"{s['acceptance']:.2f}"
+            )
+        if "valid_json" in t.info:
+            line += f"; valid JSON {t.info['valid_json']}/{requests_}"
+        print(line, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--max-tokens", type=int, default=160)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--repeats", type=int, default=3, help="alternating rounds")
+    ap.add_argument("--no-hf", action="store_true", help="skip HF at batch 1")
     args = ap.parse_args(argv)
-    torch.set_num_threads(1)
-    from engine import LLM
-
     print(f"# grammar bench: {MODEL}, fp32, torch threads=1, torch {torch.__version__}")
     batches = [int(b) for b in args.batches.split(",")]
-    llms = {
-        m: LLM(MODEL, quantization=None, num_threads=1, enable_prefix_caching=False, **kw)
-        for m, kw in MODES.items()
-    }
-    results = [bench_batch(llms, b, args.max_tokens, args.repeats) for b in batches]
-    overheads, speedups, share = report(results)
-    if not args.no_hf and 1 in batches:
-        hf = hf_batch1(llms["constrained"], args.max_tokens, args.repeats)
-        r1 = results[batches.index(1)]
-        same = sum(a == b for a, b in zip(hf["outputs"], r1["outputs"], strict=True))
-        ours = r1["seconds"]
-        print(
-            f"# HF generate() + xgrammar's HF logits processor, batch 1: {hf['seconds']:.2f} s, "
-            f"{hf['tokens']} tokens, outputs equal to ours {same}/{len(hf['outputs'])}; "
-            f"tandem constrained {hf['seconds'] / ours['constrained']:.2f}x HF, "
-            f"forced+ngram {hf['seconds'] / ours['forced+ngram']:.2f}x HF"
-        )
+    results = measure(batches, args.max_tokens, args.repeats, hf=not args.no_hf)
+    overheads, speedups, forced, tokens, failed = [], [], 0.0, 0, False
+    for batch, timings in results.items():
+        report(batch, timings)
+        for mode, where in problems(timings).items():
+            print(f"MISMATCH batch {batch}: {mode}: {where}", flush=True)
+            failed = True
+        constrained, spec = timings["constrained"], timings["forced+ngram"]
+        overheads.append(grammar_summary(constrained)["grammar_share"])
+        speedups.append(constrained.median("seconds") / spec.median("seconds"))
+        forced += sum(spec.values("forced_accepted"))
+        tokens += spec.info["tokens"] * len(spec.runs)
     print(
         f"RESULT grammar_overhead={max(overheads):.3f} grammar_spec_speedup={min(speedups):.2f} "
-        f"forced_token_share={share:.3f}"
+        f"forced_token_share={forced / tokens:.3f}"
     )
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
