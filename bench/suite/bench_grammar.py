@@ -18,7 +18,8 @@ from bench.suite.common import quick, record, repeats
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "batch" in metafunc.fixturenames:
-        metafunc.parametrize("batch", batches(metafunc.config), scope="module")
+        sizes = batches(metafunc.config)
+        metafunc.parametrize("batch", sizes, ids=lambda n: f"b{n}", scope="module")
 
 
 def batches(config) -> tuple[int, ...]:

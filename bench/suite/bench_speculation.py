@@ -25,7 +25,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "workload" in metafunc.fixturenames:
         metafunc.parametrize("workload", ["mixed"] if fast else ["mixed", "open"], scope="module")
     if "batch" in metafunc.fixturenames:
-        metafunc.parametrize("batch", batches(metafunc.config), scope="module")
+        sizes = batches(metafunc.config)
+        metafunc.parametrize("batch", sizes, ids=lambda n: f"b{n}", scope="module")
 
 
 def batches(config) -> tuple[int, ...]:
