@@ -1,26 +1,34 @@
-"""HF transformers baselines for the throughput benchmark: sequential `generate`, static padded
-batches, and transformers' own continuous batching (`generate_batch` and the manager behind it).
+"""HF transformers baselines for the throughput benchmarks: `generate` one request at a time,
+static left-padded batches, and transformers' own continuous batching (the manager behind
+`generate_batch`). Each `*_mode` is a harness mode (bench/harness.py): a callable that runs the
+whole workload once and returns its Run (wall seconds, output tokens per second, the token ids of
+every request in order); model loading, cache allocation and the CB manager's start-up are
+outside it.
+
+HF ignores EOS through an unreachable eos_token_id (`generate`) or eos_token_id=-1 (continuous
+batching): every request generates exactly its own output length without touching the logits.
+`min_new_tokens` would instead mask EOS out of the argmax and change greedy tokens.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
-from bench.workload import MODEL, ModeResult, Workload
+from bench.harness import Run
+from bench.workload import ModeResult, Workload, workload_run
 
 EOS_DISABLED = -1  # transformers continuous batching: no EOS token
+PAGE_SIZE = 256  # tokens per KV block in transformers continuous batching (its default)
 
 
 def load_hf_model():
-    from transformers import AutoModelForCausalLM
+    """The fp32 model at HF's fastest measured setting (bench/decode.py's HF_FASTEST)."""
+    from bench.decode import HF_FASTEST, load_hf
 
-    from engine.models.registry import resolve_model
-
-    path = resolve_model(MODEL)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    return model
+    return load_hf(HF_FASTEST["attn_implementation"])
 
 
 def _unreachable_eos(model) -> int:
@@ -38,137 +46,158 @@ def eos_id(model) -> int:
 
 
 @torch.inference_mode()
-def run_hf_seq(model, wl: Workload, limit: int | None) -> ModeResult:
-    res = ModeResult("hf_seq")
+def _generate(model, prompts: list[list[int]], max_new_tokens: int) -> tuple[torch.Tensor, int]:
+    """`generate` over left-padded prompts (pad = EOS, masked out): ([B, width + new] ids, width).
+    Left padding keeps every row's last prompt token in the last column, where generation starts;
+    HF shifts the position ids by the mask, so each row sees its own positions 0.."""
     eos = eos_id(model)
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), eos, dtype=torch.long)  # [B, width]
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)  # [B, width]
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=_unreachable_eos(model),
+        pad_token_id=eos,
+    )
+    return out, width
 
-    def gen(prompt: list[int], n: int) -> list[int]:
-        ids = torch.tensor([prompt])
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=n,
-            eos_token_id=_unreachable_eos(model),
-            pad_token_id=eos,
-        )
-        return out[0, len(prompt) :].tolist()
 
-    gen(wl.prompts[0][:16], 4)  # warm-up
+def hf_seq_mode(model, wl: Workload, limit: int | None = None) -> Callable[[], Run]:
+    """`generate` one request at a time (batch 1): the first `limit` requests (default all)."""
     n = len(wl.prompts) if limit is None else min(limit, len(wl.prompts))
-    t0 = time.perf_counter()
-    for i in range(n):
-        res.outputs[i] = gen(wl.prompts[i], wl.out_lens[i])
-    res.seconds = time.perf_counter() - t0
+
+    def run() -> Run:
+        t0 = time.perf_counter()
+        outputs = []
+        for prompt, length in zip(wl.prompts[:n], wl.out_lens[:n], strict=True):
+            out, width = _generate(model, [prompt], length)
+            outputs.append(out[0, width:].tolist())
+        return workload_run(time.perf_counter() - t0, outputs, extrapolated=n < len(wl.prompts))
+
+    return run
+
+
+def run_hf_seq(model, wl: Workload, limit: int | None) -> ModeResult:
+    """One warm-up request, then one pass of hf_seq_mode (bench/server.py's HF side)."""
+    _generate(model, [wl.prompts[0][:16]], 4)
+    run = hf_seq_mode(model, wl, limit)()
+    res = ModeResult("hf_seq", seconds=run.metrics["seconds"])
+    res.outputs = dict(enumerate(run.outputs))
     res.tally(wl)
-    if n < len(wl.prompts):
+    if res.num_requests < len(wl.prompts):
         res.extrapolated = True
         res.notes.append(
-            f"timed the first {n} of {len(wl.prompts)} requests; tokens/s extrapolated to all"
+            f"timed the first {res.num_requests} of {len(wl.prompts)} requests; "
+            "tokens/s extrapolated to all"
         )
     return res
 
 
-@torch.inference_mode()
-def run_hf_static(model, wl: Workload, batch_size: int) -> ModeResult:
-    res = ModeResult("hf_static")
-    eos = eos_id(model)
-    computed = 0
-    t0 = None
-    for warm in (True, False):
-        if not warm:
-            t0 = time.perf_counter()
-        indices = list(range(len(wl.prompts)))
-        batches = [indices[i : i + batch_size] for i in range(0, len(indices), batch_size)]
-        if warm:
-            batches = [[0, 1]]
-        for batch in batches:
-            prompts = [wl.prompts[i][:16] if warm else wl.prompts[i] for i in batch]
-            width = max(len(p) for p in prompts)
-            ids = torch.full((len(prompts), width), eos, dtype=torch.long)
-            mask = torch.zeros((len(prompts), width), dtype=torch.long)
-            for row, p in enumerate(prompts):  # left padding
-                ids[row, width - len(p) :] = torch.tensor(p)
-                mask[row, width - len(p) :] = 1
-            new = 4 if warm else max(wl.out_lens[i] for i in batch)
-            out = model.generate(
-                ids,
-                attention_mask=mask,
-                do_sample=False,
-                max_new_tokens=new,
-                eos_token_id=_unreachable_eos(model),
-                pad_token_id=eos,
-            )
-            if warm:
-                continue
-            computed += len(batch) * new
-            for row, i in enumerate(batch):
-                res.outputs[i] = out[row, width : width + wl.out_lens[i]].tolist()
-    res.seconds = time.perf_counter() - t0
-    res.tally(wl)
-    res.notes.append(
-        f"batch {batch_size}, left padding; {computed} tokens generated, "
-        f"{res.output_tokens} useful ({res.output_tokens / computed:.0%})"
-    )
-    return res
+def hf_static_mode(model, wl: Workload, batch_size: int) -> Callable[[], Run]:
+    """`generate` on static batches in arrival order, left padded: every batch runs to its
+    longest output and each request keeps only its own length (only useful tokens count)."""
+    starts = range(0, len(wl.prompts), batch_size)
+    batches = [range(i, min(i + batch_size, len(wl.prompts))) for i in starts]
 
-
-@torch.no_grad()  # not inference_mode: the CB thread updates its static tensors in place
-def run_hf_cb(model, wl: Workload) -> ModeResult:
-    """transformers' continuous batching. `generate_batch` takes one max_new_tokens for all
-    requests, so the manager behind it is driven directly: one `add_request` per request with its
-    own max_new_tokens and EOS disabled. Falls back to `generate_batch` with the longest length
-    (extra tokens discarded, not counted) when that API is missing."""
-    from transformers import GenerationConfig
-
-    res = ModeResult("hf_cb")
-    eos = eos_id(model)
-    max_new = max(wl.out_lens)
-    gen_cfg = GenerationConfig(
-        do_sample=False, max_new_tokens=max_new, eos_token_id=EOS_DISABLED, pad_token_id=eos
-    )
-    try:
-        from transformers.generation.continuous_batching.utils import WorkloadHints
-
-        hints = WorkloadHints(
-            max_prompt_length=max(len(p) for p in wl.prompts),
-            max_generated_length=max_new,
-            num_requests=len(wl.prompts),
-        )
-        t_setup = time.perf_counter()
-        manager = model.init_continuous_batching(generation_config=gen_cfg, workload_hints=hints)
-        manager.warmup()
-        manager.start()
-    except (ImportError, AttributeError, TypeError) as e:
-        res.notes.append(f"manager API unavailable ({e!r}); generate_batch, uniform length")
-        return _run_hf_cb_generate_batch(model, wl, gen_cfg, res)
-    cfg = manager.continuous_batching_config
-    setup = time.perf_counter() - t_setup
-    try:
-        # Warm-up request, not timed.
-        manager.add_request(wl.prompts[0][:16], "warm", max_new_tokens=4, eos_token_id=EOS_DISABLED)
-        _collect(manager, {"warm"})
+    def run() -> Run:
+        outputs, computed = [], 0
         t0 = time.perf_counter()
-        for i, (prompt, n) in enumerate(zip(wl.prompts, wl.out_lens, strict=True)):
-            manager.add_request(prompt, f"r{i}", max_new_tokens=n, eos_token_id=EOS_DISABLED)
-        results = _collect(manager, {f"r{i}" for i in range(len(wl.prompts))})
-        res.seconds = time.perf_counter() - t0
-    finally:
-        manager.stop(block=True)
-        manager.destroy()
-    for i in range(len(wl.prompts)):
-        res.outputs[i] = list(results[f"r{i}"].generated_tokens)
-    res.tally(wl)
-    res.notes.append(
-        f"per-request max_new_tokens via the generate_batch manager; attn "
-        f"{model.config._attn_implementation}, page_size={cfg.page_size} "
-        f"num_blocks={cfg.num_blocks} max_batch_tokens={cfg.max_batch_tokens} "
-        f"max_requests_per_batch={cfg.max_requests_per_batch}; "
-        f"setup+warmup {setup:.1f}s (excluded)"
-    )
-    if res.output_tokens != wl.num_output_tokens:
-        res.notes.append(f"WARNING: generated {res.output_tokens}, wanted {wl.num_output_tokens}")
-    return res
+        for batch in batches:
+            new = max(wl.out_lens[i] for i in batch)
+            out, width = _generate(model, [wl.prompts[i] for i in batch], new)
+            outputs += [
+                out[row, width : width + wl.out_lens[i]].tolist() for row, i in enumerate(batch)
+            ]
+            computed += len(batch) * new
+        seconds = time.perf_counter() - t0
+        useful = sum(map(len, outputs)) / computed
+        return workload_run(seconds, outputs, batch_size=batch_size, useful_share=useful)
+
+    return run
+
+
+class ContinuousBatching:
+    """transformers' continuous batching as a mode. `generate_batch` takes one max_new_tokens for
+    all requests, so the manager behind it is driven directly: one `add_request` per request
+    with its own max_new_tokens and EOS disabled. The manager is built, warmed up and started
+    once (outside every timing) and serves every pass; `close()` stops it. Its prefix sharing is
+    off, like ours: a pass would otherwise reuse the KV of the previous pass's identical prompts.
+    Its cache holds the whole workload at once: the default reserves 60% of free memory, slow
+    to allocate and measured no faster.
+    When the manager API is missing (another transformers version) each pass is one
+    `generate_batch` at the longest length, extra tokens discarded."""
+
+    def __init__(self, model, wl: Workload):
+        from transformers import GenerationConfig
+
+        self.model, self.wl, self.passes = model, wl, 0
+        max_new = max(wl.out_lens)
+        self.gen_cfg = GenerationConfig(
+            do_sample=False,
+            max_new_tokens=max_new,
+            eos_token_id=EOS_DISABLED,
+            pad_token_id=eos_id(model),
+        )
+        try:
+            from transformers import ContinuousBatchingConfig
+            from transformers.generation.continuous_batching.utils import WorkloadHints
+
+            # Room for every request's prompt and output at once, and one block of slack each.
+            pairs = zip(wl.prompts, wl.out_lens, strict=True)
+            num_blocks = sum(-(-(len(p) + n) // PAGE_SIZE) + 1 for p, n in pairs)
+            hints = WorkloadHints(
+                max_prompt_length=max(len(p) for p in wl.prompts),
+                max_generated_length=max_new,
+                num_requests=len(wl.prompts),
+            )
+            self.manager = model.init_continuous_batching(
+                generation_config=self.gen_cfg,
+                continuous_batching_config=ContinuousBatchingConfig(
+                    page_size=PAGE_SIZE, num_blocks=num_blocks, allow_block_sharing=False
+                ),
+                workload_hints=hints,
+            )
+        except (ImportError, AttributeError, TypeError):
+            self.manager = None
+            return
+        self.manager.warmup()
+        self.manager.start()
+
+    @torch.no_grad()  # not inference_mode: the CB thread updates its static tensors in place
+    def __call__(self) -> Run:
+        self.passes += 1
+        if self.manager is None:
+            return self._generate_batch()
+        ids = [f"p{self.passes}-r{i}" for i in range(len(self.wl.prompts))]
+        t0 = time.perf_counter()
+        for rid, prompt, n in zip(ids, self.wl.prompts, self.wl.out_lens, strict=True):
+            self.manager.add_request(prompt, rid, max_new_tokens=n, eos_token_id=EOS_DISABLED)
+        results = _collect(self.manager, set(ids))
+        seconds = time.perf_counter() - t0
+        outputs = [list(results[rid].generated_tokens) for rid in ids]
+        cfg = self.manager.continuous_batching_config
+        info = {"page_size": cfg.page_size, "max_batch_tokens": cfg.max_batch_tokens}
+        return workload_run(seconds, outputs, **info)
+
+    def _generate_batch(self) -> Run:
+        t0 = time.perf_counter()
+        out = self.model.generate_batch(inputs=self.wl.prompts, generation_config=self.gen_cfg)
+        seconds = time.perf_counter() - t0
+        pairs = zip(out.values(), self.wl.out_lens, strict=True)
+        outputs = [list(r.generated_tokens)[:n] for r, n in pairs]
+        return workload_run(seconds, outputs, uniform_length=True)
+
+    def close(self) -> None:
+        if self.manager is not None:
+            self.manager.stop(block=True)
+            self.manager.destroy()
+            self.manager = None
 
 
 def _collect(manager, wanted: set[str], timeout_s: float = 3600.0) -> dict:
@@ -187,17 +216,3 @@ def _collect(manager, wanted: set[str], timeout_s: float = 3600.0) -> dict:
                 raise RuntimeError(f"request {r.request_id} failed: {r.error}")
             results[r.request_id] = r
     return results
-
-
-def _run_hf_cb_generate_batch(model, wl: Workload, gen_cfg, res: ModeResult) -> ModeResult:
-    model.generate_batch(inputs=[wl.prompts[0][:16]], generation_config=gen_cfg)  # warm-up
-    t0 = time.perf_counter()
-    out = model.generate_batch(inputs=wl.prompts, generation_config=gen_cfg)
-    res.seconds = time.perf_counter() - t0
-    for i, r in enumerate(out.values()):
-        res.outputs[i] = list(r.generated_tokens)[: wl.out_lens[i]]
-    res.tally(wl)
-    return res
-
-
-# ---- correctness -------------------------------------------------------------------------

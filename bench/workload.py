@@ -1,10 +1,12 @@
-"""The throughput benchmark's workload and per-mode result record."""
+"""The throughput benchmarks' workload, and what one pass over it measured."""
 
 from __future__ import annotations
 
 import math
 import random
 from dataclasses import dataclass, field
+
+from bench.harness import Run
 
 MODEL = "smollm2-135m-instruct"
 
@@ -21,6 +23,14 @@ class Workload:
     @property
     def num_output_tokens(self) -> int:
         return sum(self.out_lens)
+
+
+def workload_run(seconds: float, outputs: list[list[int]], **info) -> Run:
+    """One pass over a workload as a harness Run: wall seconds and output tokens per second (the
+    useful tokens only: each request's own output length), outputs in request order."""
+    tokens = sum(len(ids) for ids in outputs)
+    metrics = {"seconds": seconds, "tok_s": tokens / seconds}
+    return Run(metrics, outputs, {"requests": len(outputs), "output_tokens": tokens, **info})
 
 
 @dataclass
