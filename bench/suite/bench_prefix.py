@@ -21,9 +21,16 @@ MAX_TOKENS = 16
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     fast = quick(metafunc.config)
     if "prefix_len" in metafunc.fixturenames:
-        metafunc.parametrize("prefix_len", [1024] if fast else [512, 1024, 2048], scope="module")
+        metafunc.parametrize(
+            "prefix_len",
+            [1024] if fast else [512, 1024, 2048],
+            ids=lambda n: f"p{n}",
+            scope="module",
+        )
     if "threads" in metafunc.fixturenames:
-        metafunc.parametrize("threads", [1] if fast else [1, 2], scope="module")
+        metafunc.parametrize(
+            "threads", [1] if fast else [1, 2], ids=lambda n: f"t{n}", scope="module"
+        )
 
 
 @functools.cache

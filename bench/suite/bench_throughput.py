@@ -19,7 +19,12 @@ MODES = ["tandem", "hf_static", "hf_cb"]
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "threads" in metafunc.fixturenames:
-        metafunc.parametrize("threads", [1] if quick(metafunc.config) else [1, 2], scope="module")
+        metafunc.parametrize(
+            "threads",
+            [1] if quick(metafunc.config) else [1, 2],
+            ids=lambda n: f"t{n}",
+            scope="module",
+        )
 
 
 def size(config) -> str:
