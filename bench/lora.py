@@ -1,16 +1,24 @@
-"""Multi-LoRA throughput: one batch whose requests use 0, 1, 4, 8 or 32 distinct adapters.
+"""Multi-LoRA throughput: one batch whose requests use no adapter, or 1, 4, 8 or 32 distinct
+adapters.
 
-    python -m bench.lora [--batch 32] [--max-tokens 64] [--repeats 2] [--no-hf]
+    python -m bench.lora [--batch 32] [--max-tokens 64] [--repeats 3] [--counts 1,4,8,32]
+                         [--no-hf]
 
-SmolLM2-135M-Instruct, one thread, greedy, EOS ignored; rank-8 PEFT adapters on all seven
-projections (q/k/v/o/gate/up/down, A and B random), saved with `save_pretrained` to a temporary
-directory. Each mode runs the same 32 prompts in one batch: **base** (no adapter), then 1, 4, 8
-and 32 distinct adapters spread round-robin over the requests (max_loras = 32, so every step
-holds them all). Throughput = output tokens / wall seconds, best of --repeats alternating runs;
-ratios are against base in the same run. Also, unless --no-hf: HF transformers + PEFT
-`generate()` on the same batch (left-padded) with 8 adapters mixed through PEFT's
-`adapter_names`, and outputs compared with ours.
-Last line: RESULT lora_throughput_ratio_8=.. lora_throughput_ratio_32=..
+SmolLM2-135M-Instruct fp32, one thread, greedy, EOS ignored, prefix caching off; rank-8 PEFT
+adapters on all seven projections (q/k/v/o/gate/up/down, A and B random), saved with
+`save_pretrained` to a temporary directory of this process. Each mode runs the same prompts
+(random ids, 16-64 tokens) in one `LLM.generate` batch: **base** (no adapter), and **loraN**
+for each N of --counts: N distinct adapters spread round-robin over the requests (max_loras =
+the largest N, so one step holds them all; every adapter is loaded before the timings). Unless
+--no-hf, **hf+peft8**: HF transformers + PEFT `generate()` at bench.decode's HF_FASTEST setting
+on the same batch (left-padded), the 8 adapters mixed per row through PEFT's `adapter_names`.
+The modes alternate (bench/harness.py: a warm-up each, then --repeats rounds); each reports the
+median wall seconds of the batch and the spread, throughput = output tokens / seconds.
+Equality: once, outside the timed rounds, HF + PEFT runs every request alone (batch 1, no
+padding) with the adapter each mode gives it (or none); every request of every mode must equal
+that reference token for token (exit 1 otherwise).
+Last line: RESULT lora_throughput_ratio_8=.. lora_throughput_ratio_32=.. [tandem_x_hf_8=..]
+(loraN's throughput over base's; tandem_x_hf_8: hf+peft8's seconds over lora8's)
 """
 
 from __future__ import annotations
@@ -22,16 +30,21 @@ if "torch" not in sys.modules:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
-import gc
 import random
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from bench.harness import Run, Timings, alternate, first_difference, summary
+
 MODEL = "smollm2-135m-instruct"
 ALL7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+RANK = 8
+HF_ADAPTERS = 8  # adapters mixed in the hf+peft mode (its outputs are lora8's)
+Pair = tuple[int, int | None]  # (request index, adapter index or None for the base model)
 
 
 def make_adapters(base: Path, root: Path, n: int, rank: int) -> list[Path]:
@@ -55,119 +68,209 @@ def make_adapters(base: Path, root: Path, n: int, rank: int) -> list[Path]:
     return paths
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--counts", default="1,4,8,32")
-    ap.add_argument("--no-hf", action="store_true")
-    args = ap.parse_args(argv)
-    torch.set_num_threads(1)
-    from engine import LLM, SamplingParams
-    from engine.models.registry import resolve_model
-    from lora import LoRARequest
-
-    counts = [int(c) for c in args.counts.split(",")]
-    base_dir = resolve_model(MODEL)
-    root = Path(tempfile.mkdtemp(prefix="tandem-lora-bench-"))
-    paths = make_adapters(base_dir, root, max(counts), rank=8)
-    llm = LLM(
-        MODEL,
-        quantization=None,
-        num_threads=1,
-        enable_lora=True,
-        max_loras=max(counts),
-        max_lora_rank=8,
-        max_num_seqs=max(args.batch, 1),
-        enable_prefix_caching=False,
-    )
-    rng = random.Random(0)
-    prompts = [
-        [rng.randrange(100, 49000) for _ in range(rng.randint(16, 64))] for _ in range(args.batch)
-    ]
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    modes = {"base": None} | {f"{c} adapters": c for c in counts}
-
-    def loras(count):
-        if count is None:
-            return None
-        return [LoRARequest(f"a{i % count}", str(paths[i % count])) for i in range(args.batch)]
-
-    for count in counts:  # load outside the timings
-        for lora in loras(count):
-            llm.load_lora(lora)
-    print(
-        f"# lora bench: {MODEL}, fp32, torch threads=1, batch {args.batch}, "
-        f"{args.max_tokens} tokens each, rank 8 on {len(ALL7)} projections"
-    )
-    best, outputs = dict.fromkeys(modes, float("inf")), {}
-    for _ in range(args.repeats):
-        for mode, count in modes.items():
-            gc.collect()
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras(count))
-            best[mode] = min(best[mode], time.perf_counter() - t0)
-            outputs[mode] = [o.outputs[0].token_ids for o in outs]
-    tokens = args.batch * args.max_tokens
-    print("\n| mode | seconds | tok/s | vs base |\n|---|---|---|---|")
-    for mode in modes:
-        print(
-            f"| {mode} | {best[mode]:.2f} | {tokens / best[mode]:.1f} | "
-            f"{best['base'] / best[mode]:.3f} |"
-        )
-    changed = sum(
-        a != b for a, b in zip(outputs["base"], outputs[f"{counts[-1]} adapters"], strict=True)
-    )
-    print(
-        f"# requests whose output differs from base with {counts[-1]} adapters: "
-        f"{changed}/{args.batch}"
-    )
-    if not args.no_hf and 8 in counts:
-        hf_seconds, same = hf_mixed(base_dir, paths[:8], prompts, args.max_tokens, outputs)
-        print(
-            f"# HF + PEFT generate(), 8 adapters mixed via adapter_names, batch {args.batch}: "
-            f"{hf_seconds:.2f} s ({tokens / hf_seconds:.1f} tok/s); tandem "
-            f"{hf_seconds / best['8 adapters']:.2f}x; outputs equal {same}/{args.batch}"
-        )
-    r8 = best["base"] / best["8 adapters"] if 8 in counts else float("nan")
-    r32 = best["base"] / best["32 adapters"] if 32 in counts else float("nan")
-    print(f"RESULT lora_throughput_ratio_8={r8:.3f} lora_throughput_ratio_32={r32:.3f}")
-    return 0
+def make_prompts(batch: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 49000) for _ in range(rng.randint(16, 64))] for _ in range(batch)]
 
 
-def hf_mixed(base_dir, paths, prompts, max_tokens, outputs) -> tuple[float, int]:
-    """HF + PEFT with the 8 adapters loaded and mixed per row (adapter_names), left-padded."""
+def adapters_of(count: int | None, batch: int) -> list[int | None]:
+    """Each request's adapter index in a mode with `count` adapters (None: base), round-robin."""
+    return [None if count is None else i % count for i in range(batch)]
+
+
+def engine_mode(llm, prompts: list[list[int]], max_tokens: int, loras) -> Callable[[], Run]:
+    from engine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+    def run() -> Run:
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+        seconds = time.perf_counter() - t0
+        ids = [o.outputs[0].token_ids for o in outs]
+        return Run({"seconds": seconds}, ids, {"tokens": sum(map(len, ids))})
+
+    return run
+
+
+def load_peft(base_dir: Path, paths: list[Path]):
+    """HF + PEFT at HF_FASTEST with every adapter loaded, as a0, a1, ..."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    from bench.decode import HF_FASTEST
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(base_dir), dtype=torch.float32, attn_implementation=HF_FASTEST["attn_implementation"]
+    )
     model = PeftModel.from_pretrained(model, str(paths[0]), adapter_name="a0")
     for i, path in enumerate(paths[1:], start=1):
         model.load_adapter(str(path), adapter_name=f"a{i}")
-    model.eval()
-    width = max(len(p) for p in prompts)
-    pad = 0
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    names = [f"a{i % 8}" for i in range(len(prompts))]
-    t0 = time.perf_counter()
-    with torch.no_grad():
+    return model.eval()
+
+
+@torch.inference_mode()
+def greedy(model, ids: torch.Tensor, mask: torch.Tensor, max_tokens: int, **kwargs) -> list:
+    """HF `generate`, greedy, at HF_FASTEST: the new token ids per row. ids, mask: [batch,
+    width], left-padded."""
+    from bench.decode import HF_FASTEST
+
+    cache = HF_FASTEST["cache_implementation"]
+    out = model.generate(  # [batch, width + max_tokens]
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=max_tokens,
+        do_sample=False,
+        pad_token_id=0,
         # EOS ignored as in our runs: an unreachable eos id, not min_new_tokens (which would
         # ban EOS from the argmax where our greedy may pick it).
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=max_tokens,
-            do_sample=False,
-            pad_token_id=pad,
-            eos_token_id=model.config.vocab_size,
-            adapter_names=names,
+        eos_token_id=model.config.vocab_size,
+        **({"cache_implementation": cache} if cache else {}),
+        **kwargs,
+    )
+    return out[:, ids.shape[1] :].tolist()
+
+
+def hf_mixed(model, prompts: list[list[int]], max_tokens: int, adapters: list[int]) -> list:
+    """The prompts in one batch, left-padded with id 0, each row with its adapter (PEFT's
+    `adapter_names`)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # [batch, width]
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])  # [batch, width]
+    return greedy(model, ids, mask, max_tokens, adapter_names=[f"a{a}" for a in adapters])
+
+
+def hf_alone(model, prompt: list[int], max_tokens: int, adapter: int | None) -> list[int]:
+    """One request, batch 1, no padding, through PEFT's plain single-adapter path (the
+    adapter made active, or every adapter disabled for the base model)."""
+    ids = torch.tensor([prompt])  # [1, prompt_len]
+    if adapter is None:
+        with model.disable_adapter():
+            return greedy(model, ids, torch.ones_like(ids), max_tokens)[0]
+    model.set_adapter(f"a{adapter}")
+    return greedy(model, ids, torch.ones_like(ids), max_tokens)[0]
+
+
+def hf_mode(model, prompts: list[list[int]], max_tokens: int) -> Callable[[], Run]:
+    adapters = adapters_of(HF_ADAPTERS, len(prompts))
+
+    def run() -> Run:
+        t0 = time.perf_counter()
+        ids = hf_mixed(model, prompts, max_tokens, adapters)
+        seconds = time.perf_counter() - t0
+        return Run({"seconds": seconds}, ids, {"tokens": sum(map(len, ids))})
+
+    return run
+
+
+def reference(model, prompts: list[list[int]], max_tokens: int, pairs: set[Pair]) -> dict:
+    """HF + PEFT on each (request, adapter) pair alone."""
+    return {(i, a): hf_alone(model, prompts[i], max_tokens, a) for i, a in pairs}
+
+
+def mode_counts(counts: list[int], hf: bool) -> dict[str, int | None]:
+    """Mode name -> its number of adapters (None: base)."""
+    modes = {"base": None} | {f"lora{c}": c for c in counts}
+    return modes | ({f"hf+peft{HF_ADAPTERS}": HF_ADAPTERS} if hf else {})
+
+
+def measure(
+    batch: int, max_tokens: int, counts: list[int], repeats: int, hf: bool = True
+) -> tuple[dict[str, Timings], dict[str, list[list[int]]]]:
+    """Every mode alternated on one batch, and each mode's expected outputs (the reference).
+    The adapters live in a temporary directory for this call only."""
+    from engine import LLM
+    from engine.models.registry import resolve_model
+    from lora import LoRARequest
+
+    torch.set_num_threads(1)
+    base_dir, prompts = resolve_model(MODEL), make_prompts(batch)
+    modes = mode_counts(counts, hf)
+    num_adapters = max(c or 0 for c in modes.values())
+    with tempfile.TemporaryDirectory(prefix="tandem-lora-bench-") as root:
+        paths = make_adapters(base_dir, Path(root), num_adapters, RANK)
+        llm = LLM(
+            MODEL,
+            quantization=None,
+            num_threads=1,
+            enable_lora=True,
+            max_loras=num_adapters,
+            max_lora_rank=RANK,
+            max_num_seqs=batch,
+            enable_prefix_caching=False,
         )
-    seconds = time.perf_counter() - t0
-    ours = outputs["8 adapters"]
-    same = sum(out[i, width:].tolist() == ours[i] for i in range(len(prompts)))
-    return seconds, same
+        loras = [LoRARequest(f"a{i}", str(path)) for i, path in enumerate(paths)]
+        for lora in loras:  # loaded outside the timings
+            llm.load_lora(lora)
+        peft_model = load_peft(base_dir, paths)
+        runs = {}
+        for name, count in modes.items():
+            if name.startswith("hf"):
+                runs[name] = hf_mode(peft_model, prompts, max_tokens)
+            else:
+                chosen = [None if a is None else loras[a] for a in adapters_of(count, batch)]
+                runs[name] = engine_mode(llm, prompts, max_tokens, chosen)
+        timings = alternate(runs, repeats, threads=1)
+        wanted = {name: list(enumerate(adapters_of(c, batch))) for name, c in modes.items()}
+        ref = reference(peft_model, prompts, max_tokens, {p for ps in wanted.values() for p in ps})
+    return timings, {name: [ref[p] for p in pairs] for name, pairs in wanted.items()}
+
+
+def mismatches(timings: dict[str, Timings], expected: dict[str, list[list[int]]]) -> dict:
+    """Modes whose outputs differ from their reference, with where."""
+    found = {}
+    for name, t in timings.items():
+        diff = first_difference(expected[name], t.outputs)
+        if diff:
+            found[name] = diff
+    return found
+
+
+def differ_from_base(timings: dict[str, Timings], name: str) -> int:
+    """Requests whose output in mode `name` differs from the base model's: the adapters'
+    effect (0 would mean the adapters changed nothing and the benchmark measured nothing)."""
+    return sum(a != b for a, b in zip(timings["base"].outputs, timings[name].outputs, strict=True))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--counts", default="1,4,8,32")
+    ap.add_argument("--no-hf", action="store_true")
+    args = ap.parse_args(argv)
+    counts = [int(c) for c in args.counts.split(",")]
+    print(
+        f"# lora bench: {MODEL}, fp32, 1 thread, batch {args.batch}, {args.max_tokens} tokens "
+        f"each, rank {RANK} on {len(ALL7)} projections, {args.repeats} rounds",
+        flush=True,
+    )
+    timings, expected = measure(args.batch, args.max_tokens, counts, args.repeats, not args.no_hf)
+    tokens = args.batch * args.max_tokens
+    print("batch seconds\n" + summary(timings, "seconds"))
+    base = timings["base"].median("seconds")
+    for name, t in timings.items():
+        seconds = t.median("seconds")
+        print(
+            f"{name:12s} {tokens / seconds:7.1f} tok/s  vs base {base / seconds:.3f}  "
+            f"outputs unlike base {differ_from_base(timings, name)}/{args.batch}"
+        )
+    bad = mismatches(timings, expected)
+    for name, where in bad.items():
+        print(f"MISMATCH {name} against HF + PEFT alone: {where}")
+
+    def ratio(a: str, b: str) -> str:
+        if a not in timings or b not in timings:
+            return "nan"
+        return f"{timings[a].median('seconds') / timings[b].median('seconds'):.3f}"
+
+    hf = f"hf+peft{HF_ADAPTERS}"
+    result = f"lora_throughput_ratio_8={ratio('base', 'lora8')} "
+    result += f"lora_throughput_ratio_32={ratio('base', 'lora32')}"
+    result += f" tandem_x_hf_8={ratio(hf, 'lora8')}" if hf in timings else ""
+    print(f"RESULT {result}")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -1,26 +1,31 @@
-"""Serving over HTTP: concurrent OpenAI clients against the server vs the same requests offline.
+"""Serving over HTTP: time to first token, time per output token and wall time through
+`tandem serve`, against the same requests offline.
 
-    python -m bench.server [--requests 32] [--repeats 2] [--hf-limit 4] [--no-hf]
+    python -m bench.server [--requests 32] [--repeats 3] [--no-whole] [--seed 0]
 
-SmolLM2-135M-Instruct, one engine thread, greedy, EOS ignored (each request emits exactly its
-planned length). The workload is the throughput benchmark's shape (random prompt ids, lognormal
-prompt and output lengths), smaller. Modes, in one run:
-- **offline**: `LLM.generate` on every request at once (the engine with no HTTP in front);
-- **server**: `tandem serve` in its own process (same engine settings) and one `AsyncOpenAI`
-  client per request in this one, all at once, streaming (`stream=True`): wall time from the
-  first request sent to the last `[DONE]`, time to first token and time per output token as
-  each client sees them;
-- **hf_seq**: HF transformers `generate()` one request at a time (the first --hf-limit timed,
-  tokens/s extrapolated), the usual reference.
-Outputs of server and offline are compared token for token (the completions endpoint takes
-prompt token ids; logprobs=0 returns the emitted ids' texts, so the text is compared).
-The server answers whole responses (stream=False) and streamed ones; the three modes alternate
---repeats times and each keeps its best time (prefix caching off everywhere, so no repeat finds
-the last one's prompts cached). Clients and server share this machine's two cores, so the
-streamed mode also measures 32 clients parsing SSE chunks next to the engine; the stats
-(time to first token, time per output token) come from the last streamed repeat.
-Last line: RESULT server_whole_vs_offline=.. server_stream_vs_offline=.. server_vs_hf_seq=..
-ttft_p50_ms=.. tpot_p50_ms=.. outputs_equal=../..
+SmolLM2-135M-Instruct fp32, one engine thread, greedy, EOS ignored (each request emits exactly
+its planned length), prefix caching off (no round finds the last one's prompts cached). The
+workload is the throughput benchmark's shape (random prompt ids, lognormal prompt and output
+lengths), smaller. Every request is submitted at once in each mode:
+- **offline**: `LLMEngine.add_request` for every request, then `step()` until all are done, in
+  this process, each request's deltas stamped as they come out of a step (the engine with no
+  HTTP in front);
+- **server**: `tandem serve` in its own process (same engine settings, a free port) and one
+  streaming `AsyncOpenAI` completions call per request from this one, each chunk stamped as
+  the client receives it;
+- **server-whole** (unless --no-whole): the same calls with `stream=False` (wall time only).
+Per run: `seconds` (first request sent to last one done), `ttft` (median over the requests of
+the time from sending to the first token) and `tpot` (median over the requests of
+(last token - first token) / (output tokens - 1)). The modes alternate (bench/harness.py: a
+warm-up each, then --repeats rounds, median and spread). The server's texts and token counts
+(usage) must equal the offline ones request for request (the completions endpoint returns text,
+not ids; exit 1 otherwise).
+Clients and server share this machine's cores, so the server mode also measures the clients
+parsing SSE chunks next to the engine. HF transformers is not run here: the HF comparison on
+this workload's shape is bench.throughput's (--hf-limit and --no-hf are accepted, and ignored).
+Last line: RESULT server_stream_vs_offline=.. server_whole_vs_offline=.. ttft_p50_ms=..
+tpot_p50_ms=.. offline_ttft_p50_ms=.. offline_tpot_p50_ms=.. outputs_equal=../..
+(the ratios are offline seconds / server seconds, < 1 when the server is slower).
 """
 
 from __future__ import annotations
@@ -33,211 +38,163 @@ if "torch" not in sys.modules:
 
 import argparse
 import asyncio
+import contextlib
+import itertools
 import json
 import statistics
 import subprocess
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
+from bench.harness import Run, Timings, alternate, summary
 from bench.workload import Workload, make_workload
 
 MODEL = "smollm2-135m-instruct"
-# No prefix caching anywhere: repeats must not find the previous run's prompts cached.
+KV_BYTES = 1 << 30
 ENGINE_ARGS = dict(
     num_threads=1,
-    kv_cache_memory_bytes=1 << 30,
+    kv_cache_memory_bytes=KV_BYTES,
     enable_prefix_caching=False,
     quantization=None,
 )
+# The same settings as `tandem serve` flags (the other EngineConfig fields: both defaults).
+SERVER_FLAGS = ["--threads", "1", "--kv-cache-memory-bytes", str(KV_BYTES)]
+SERVER_FLAGS += ["--no-prefix-caching", "--quantization", "none"]
+# (median, sigma, min, max) of the prompt and output lengths: the full run, and the quick one.
+FULL_SHAPE = ((96, 0.6, 8, 384), (64, 0.5, 8, 192))
+QUICK_SHAPE = ((48, 0.5, 8, 96), (12, 0.3, 4, 16))
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--hf-limit", type=int, default=4)
-    ap.add_argument("--no-hf", action="store_true")
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
-    return ap.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    import torch
-
-    torch.set_num_threads(1)
-    wl = build_workload(args.requests, args.seed)
-    best, texts, clients = run_modes(wl, args.repeats)
-    n = len(wl.prompts)
-    same = count_equal(texts)
-    tokens = wl.num_output_tokens
-    print_times(best, tokens, same, n)
-    ttft, tpot = print_latencies(clients.ttfts, clients.tpots)
-    offline_s, whole_s, server_s = best["offline"], best["whole"], best["stream"]
-    result = (
-        f"server_whole_vs_offline={offline_s / whole_s:.3f} "
-        f"server_stream_vs_offline={offline_s / server_s:.3f}"
-    )
-    if not args.no_hf:
-        result += f" server_vs_hf_seq={tokens / server_s / hf_seq_tok_s(wl, args.hf_limit):.2f}"
-    print(
-        f"RESULT {result} ttft_p50_ms={ttft:.0f} tpot_p50_ms={tpot:.1f} "
-        f"outputs_equal={same}/{2 * n}"
-    )
-    return 0 if same == 2 * n else 1
-
-
-def build_workload(num_requests: int, seed: int) -> Workload:
-    """The throughput benchmark's shape of workload, smaller; prints its size."""
+def build_workload(num_requests: int, seed: int, quick: bool = False) -> Workload:
     from engine.models.registry import resolve_model
 
     vocab = json.loads((resolve_model(MODEL) / "config.json").read_text())["vocab_size"]
-    wl = make_workload(num_requests, seed, vocab, (96, 0.6, 8, 384), (64, 0.5, 8, 192))
-    print(
-        f"# {num_requests} requests, {wl.num_prompt_tokens} prompt + {wl.num_output_tokens} "
-        "output tokens, SmolLM2-135M fp32, 1 thread",
-        flush=True,
-    )
-    return wl
+    return make_workload(num_requests, seed, vocab, *(QUICK_SHAPE if quick else FULL_SHAPE))
 
 
-def run_modes(wl: Workload, repeats: int) -> tuple[dict[str, float], dict[str, list[str]], Clients]:
-    """Alternates the three modes `repeats` times: each mode's best seconds and last texts, and
-    the clients, holding the stats of the last streamed repeat."""
-    offline = offline_runner(wl)
-    server, url = start_server()
-    clients = Clients(wl, url)
-    best = {"offline": float("inf"), "whole": float("inf"), "stream": float("inf")}
-    texts: dict[str, list[str]] = {}
-    try:
-        for _ in range(repeats):
-            for mode in best:
-                clients.ttfts.clear()
-                clients.tpots.clear()
-                if mode == "offline":
-                    texts[mode], seconds = offline()
-                else:
-                    texts[mode], seconds = asyncio.run(clients.everyone(stream=mode == "stream"))
-                print(f"# {mode:8s} {seconds:7.2f} s", flush=True)
-                best[mode] = min(best[mode], seconds)
-    finally:
-        server.terminate()
-        server.wait(30)
-    return best, texts, clients
+def latency(seconds: float, starts: list[float], stamps: list[list[float]], wl: Workload) -> dict:
+    """The run's metrics from each request's start and the times its tokens arrived (one stamp
+    per delta: a delta may hold several tokens, so time per token divides by the token count)."""
+    ttfts = [s[0] - start for start, s in zip(starts, stamps, strict=True)]
+    tpots = [(s[-1] - s[0]) / (n - 1) for s, n in zip(stamps, wl.out_lens, strict=True) if n > 1]
+    return {"seconds": seconds, "ttft": statistics.median(ttfts), "tpot": statistics.median(tpots)}
 
 
-def offline_runner(wl: Workload) -> Callable[[], tuple[list[str], float]]:
-    """The engine with no HTTP in front, loaded and warmed up; each call of the function returned
-    runs every request at once: (texts, seconds)."""
-    from engine import LLM, SamplingParams
+def offline_mode(llm, wl: Workload) -> Callable[[], Run]:
+    """Every request added at once to the engine, then stepped to the end; texts and token ids
+    are the deltas joined."""
+    from engine import RequestOutputKind, SamplingParams
 
-    llm = LLM(MODEL, **ENGINE_ARGS)
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in wl.out_lens]
-    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+    delta = RequestOutputKind.DELTA
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, output_kind=delta)
+        for n in wl.out_lens
+    ]
+    engine, calls = llm.engine, itertools.count()
 
-    def offline() -> tuple[list[str], float]:
+    def run() -> Run:
+        ids = [f"offline-{next(calls)}-{i}" for i in range(len(wl.prompts))]
+        index = {rid: i for i, rid in enumerate(ids)}
+        stamps: list[list[float]] = [[] for _ in ids]
+        texts, tokens = [""] * len(ids), [[] for _ in ids]
         t0 = time.perf_counter()
-        outs = llm.generate(wl.prompts, params, use_tqdm=False)
-        return [o.outputs[0].text for o in outs], time.perf_counter() - t0
+        for rid, prompt, p in zip(ids, wl.prompts, params, strict=True):
+            engine.add_request(rid, prompt, p)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                i = index[out.request_id]
+                if out.outputs[0].token_ids:
+                    stamps[i].append(time.perf_counter())
+                    tokens[i] += out.outputs[0].token_ids
+                    texts[i] += out.outputs[0].text
+        seconds = time.perf_counter() - t0
+        metrics = latency(seconds, [t0] * len(ids), stamps, wl)
+        counts = list(map(len, tokens))
+        return Run(metrics, tokens, {"tokens": sum(counts), "texts": texts, "counts": counts})
 
-    return offline
+    return run
 
 
-def start_server() -> tuple[subprocess.Popen, str]:
-    """`tandem serve` in its own process, as deployed (the clients' work does not share its GIL),
-    with ENGINE_ARGS' settings; (the process, its URL) once it answers /health."""
+def server_mode(url: str, wl: Workload, stream: bool) -> Callable[[], Run]:
+    """One `AsyncOpenAI` completions call per request, all at once (a client per run: its
+    connections belong to the run's event loop)."""
+
+    async def one(client, i: int, stamps: list[float]) -> tuple[str, int]:
+        args = dict(model=MODEL, prompt=wl.prompts[i], max_tokens=wl.out_lens[i], temperature=0)
+        args["extra_body"] = {"ignore_eos": True}
+        if not stream:
+            r = await client.completions.create(**args)
+            stamps.append(time.perf_counter())
+            return r.choices[0].text, r.usage.completion_tokens
+        chunks = await client.completions.create(
+            **args, stream=True, stream_options={"include_usage": True}
+        )
+        text, num_tokens = [], 0
+        async for chunk in chunks:
+            if chunk.choices and chunk.choices[0].text:
+                stamps.append(time.perf_counter())
+                text.append(chunk.choices[0].text)
+            if chunk.usage:
+                num_tokens = chunk.usage.completion_tokens
+        return "".join(text), num_tokens
+
+    async def everyone() -> Run:
+        import openai
+
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as c:
+            stamps: list[list[float]] = [[] for _ in wl.prompts]
+            t0 = time.perf_counter()
+            done = await asyncio.gather(*(one(c, i, s) for i, s in enumerate(stamps)))
+            seconds = time.perf_counter() - t0
+        texts, counts = [text for text, _ in done], [n for _, n in done]
+        info = {"tokens": sum(counts), "texts": texts, "counts": counts}
+        if not stream:
+            return Run({"seconds": seconds}, None, info)
+        return Run(latency(seconds, [t0] * len(stamps), stamps, wl), None, info)
+
+    return lambda: asyncio.run(everyone())
+
+
+@contextlib.contextmanager
+def serving() -> Iterator[str]:
+    """`tandem serve` in its own process (the clients' work does not share its GIL) on a free
+    port, with ENGINE_ARGS' settings; yields its URL once it answers /health and terminates it
+    on the way out, whatever happened (killed if it does not stop in 30 s)."""
     from playground.launch import free_port
 
     port = free_port()
     command = [sys.executable, "-m", "playground.cli", "serve", "--model", MODEL]
-    command += ["--port", str(port)]
-    command += ["--threads", "1", "--kv-cache-memory-bytes", str(1 << 30), "--no-prefix-caching"]
-    command += ["--quantization", "none"]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    _wait_healthy(url, server)
-    return server, url
-
-
-class Clients:
-    """One `AsyncOpenAI` client per request against the server at `url`, all at once; streamed
-    requests add their time to first token and time per output token (seconds) to ttfts and
-    tpots."""
-
-    def __init__(self, wl: Workload, url: str) -> None:
-        self.wl, self.url = wl, url
-        self.ttfts: list[float] = []
-        self.tpots: list[float] = []
-
-    async def everyone(self, stream: bool) -> tuple[list[str], float]:
-        import openai
-
-        async with openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="x", max_retries=0) as c:
-            await c.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=2)  # warm-up
-            t = time.perf_counter()
-            num = len(self.wl.prompts)
-            texts = await asyncio.gather(*(self.one(c, i, stream) for i in range(num)))
-            return texts, time.perf_counter() - t
-
-    async def one(self, client, i: int, stream: bool) -> str:
-        wl = self.wl
-        args = dict(model=MODEL, prompt=wl.prompts[i], max_tokens=wl.out_lens[i], temperature=0)
-        if not stream:
-            r = await client.completions.create(**args, extra_body={"ignore_eos": True})
-            return r.choices[0].text
-        start = time.perf_counter()
-        first = last = None
-        text = []
-        chunks = await client.completions.create(
-            **args, stream=True, extra_body={"ignore_eos": True}
+    command += ["--port", str(port), *SERVER_FLAGS]
+    with tempfile.TemporaryFile() as log:
+        server = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
         )
-        async for chunk in chunks:
-            if chunk.choices and chunk.choices[0].text:
-                last = time.perf_counter()
-                first = first or last
-                text.append(chunk.choices[0].text)
-        self.ttfts.append(first - start)
-        if wl.out_lens[i] > 1:
-            self.tpots.append((last - first) / (wl.out_lens[i] - 1))
-        return "".join(text)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            _wait_healthy(url, server, log)
+            yield url
+        finally:
+            server.terminate()
+            try:
+                server.wait(30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
 
 
-def count_equal(texts: dict[str, list[str]]) -> int:
-    """Server outputs equal to offline's, whole and streamed together (of 2 x requests)."""
-    same = sum(a == b for a, b in zip(texts["whole"], texts["offline"], strict=True))
-    same += sum(a == b for a, b in zip(texts["stream"], texts["offline"], strict=True))
-    return same
+def _die_with_parent() -> None:
+    """In the server's process before it starts: on Linux, SIGTERM when the benchmark's process
+    dies without reaching `serving`'s cleanup (killed), so no server outlives it."""
+    if sys.platform == "linux":
+        import ctypes
+        import signal
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
-def print_times(best: dict[str, float], tokens: int, same: int, num_requests: int) -> None:
-    offline_s, whole_s, server_s = best["offline"], best["whole"], best["stream"]
-    print(f"offline          {offline_s:7.2f} s  {tokens / offline_s:7.1f} tok/s")
-    print(f"server, whole    {whole_s:7.2f} s  {tokens / whole_s:7.1f} tok/s")
-    print(f"server, streamed {server_s:7.2f} s  {tokens / server_s:7.1f} tok/s")
-    print(f"outputs equal to offline: {same}/{2 * num_requests}")
-
-
-def print_latencies(ttfts: list[float], tpots: list[float]) -> tuple[float, float]:
-    """Prints the streamed requests' p50 and p90; returns the p50s in milliseconds."""
-    ttft = statistics.median(ttfts) * 1e3
-    tpot = statistics.median(tpots) * 1e3
-    print(
-        f"streamed: ttft p50 {ttft:.0f} ms  p90 {_p(ttfts, 0.9) * 1e3:.0f} ms  "
-        f"time/output token p50 {tpot:.1f} ms  p90 {_p(tpots, 0.9) * 1e3:.1f} ms"
-    )
-    return ttft, tpot
-
-
-def hf_seq_tok_s(wl: Workload, hf_limit: int) -> float:
-    """HF `generate()` one request at a time, the first hf_limit timed: output tokens/s."""
-    from bench.hf_baselines import load_hf_model, run_hf_seq
-
-    hf = run_hf_seq(load_hf_model(), wl, hf_limit)
-    print(f"hf_seq   {hf.out_tok_s:7.1f} tok/s ({'; '.join(hf.notes)})")
-    return hf.out_tok_s
-
-
-def _wait_healthy(url: str, process, timeout: float = 300.0) -> None:
+def _wait_healthy(url: str, process: subprocess.Popen, log, timeout: float = 300.0) -> None:
     import httpx
 
     deadline = time.monotonic() + timeout
@@ -248,12 +205,89 @@ def _wait_healthy(url: str, process, timeout: float = 300.0) -> None:
         except httpx.TransportError:
             pass
         time.sleep(0.2)
-    raise RuntimeError(f"the server at {url} did not come up (exit code {process.poll()})")
+    log.seek(0)
+    tail = log.read().decode(errors="replace")[-2000:]
+    raise RuntimeError(f"the server at {url} did not come up (exit {process.poll()}):\n{tail}")
 
 
-def _p(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+def measure(wl: Workload, repeats: int, whole: bool = False) -> dict[str, Timings]:
+    """offline, server (and server-whole) alternated on the workload; the server process lives
+    for this call only."""
+    from engine import LLM
+
+    llm = LLM(MODEL, **ENGINE_ARGS)
+    with serving() as url:
+        modes = {"offline": offline_mode(llm, wl), "server": server_mode(url, wl, stream=True)}
+        if whole:
+            modes["server-whole"] = server_mode(url, wl, stream=False)
+        return alternate(modes, repeats, threads=1)
+
+
+def mismatches(timings: dict[str, Timings]) -> dict[str, list[int]]:
+    """Server modes whose texts or token counts differ from offline's: the requests that
+    differ."""
+    want, found = timings["offline"].info, {}
+    for name in (m for m in timings if m != "offline"):
+        got = timings[name].info
+        pairs = zip(want["texts"], want["counts"], got["texts"], got["counts"], strict=True)
+        bad = [i for i, (a, n, b, m) in enumerate(pairs) if (a, n) != (b, m)]
+        if bad:
+            found[name] = bad
+    return found
+
+
+def describe(timings: dict[str, Timings], name: str, bad: list[int]) -> str:
+    want, got, i = timings["offline"].info, timings[name].info, bad[0]
+    return (
+        f"{len(bad)} requests differ, first {i}: {want['texts'][i]!r} ({want['counts'][i]} "
+        f"tokens) against {got['texts'][i]!r} ({got['counts'][i]} tokens)"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--whole",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time whole (stream=False) responses (default: on)",
+    )
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hf-limit", type=int, default=None, help="ignored (see bench.throughput)")
+    ap.add_argument("--no-hf", action="store_true", help="ignored (see bench.throughput)")
+    args = ap.parse_args(argv)
+    wl = build_workload(args.requests, args.seed)
+    print(
+        f"# {args.requests} requests, {wl.num_prompt_tokens} prompt + {wl.num_output_tokens} "
+        f"output tokens, {MODEL} fp32, 1 engine thread, {args.repeats} rounds",
+        flush=True,
+    )
+    timings = measure(wl, args.repeats, args.whole)
+    print("wall seconds\n" + summary(timings, "seconds"))
+    streamed = {k: v for k, v in timings.items() if k != "server-whole"}
+    print("time to first token\n" + summary(streamed, "ttft", 1e3, "ms"))
+    print("time per output token\n" + summary(streamed, "tpot", 1e3, "ms"))
+    bad = mismatches(timings)
+    for name, requests in bad.items():
+        print(f"MISMATCH {name} against offline: {describe(timings, name, requests)}")
+    num_checked = len(wl.prompts) * (len(timings) - 1)
+    num_equal = num_checked - sum(map(len, bad.values()))
+
+    def vs(name: str) -> str:
+        return f"{timings['offline'].median('seconds') / timings[name].median('seconds'):.3f}"
+
+    ms = {k: t.median("ttft") * 1e3 for k, t in streamed.items()}
+    per = {k: t.median("tpot") * 1e3 for k, t in streamed.items()}
+    whole = f" server_whole_vs_offline={vs('server-whole')}" if args.whole else ""
+    print(
+        f"RESULT server_stream_vs_offline={vs('server')}{whole} "
+        f"ttft_p50_ms={ms['server']:.0f} tpot_p50_ms={per['server']:.1f} "
+        f"offline_ttft_p50_ms={ms['offline']:.0f} offline_tpot_p50_ms={per['offline']:.1f} "
+        f"outputs_equal={num_equal}/{num_checked}"
+    )
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
