@@ -1,7 +1,8 @@
 """Compare two saved runs of the pytest-benchmark suite; fail on a regression.
 
-    python -m bench.compare [BASE] [--new NEW] [--threshold 0.25] [--storage .benchmarks]
+    python -m bench.compare [BASE] [--new NEW] [--threshold 0.30] [--storage .benchmarks]
     make bench-compare [BASE=0001]
+    python -m bench.compare --table [--new NEW]   # one run's medians as markdown, per group
 
 `make bench` saves every run (pytest-benchmark's --benchmark-autosave) under .benchmarks/. BASE
 and NEW name saved runs by their number ("0003") or a path; NEW defaults to the newest run and
@@ -10,10 +11,11 @@ benchmark regressed when NEW's median exceeds BASE's by more than --threshold (a
 Exit 1 when any regressed, 2 when there is nothing to compare or the runs come from different
 CPUs (their timings measure the machines, not the code; --any-machine compares anyway).
 
-The default threshold (0.25) comes from measured noise: two back-to-back quick runs of the same
-commit on the 2-core AMD EPYC VM (bench/RESULTS.md, "Run-to-run noise") differed by up to the
-figure quoted there in a benchmark's median; the threshold sits above that so the same code does
-not fail against itself, and a real regression of a quarter or more shows.
+The default threshold (0.30) comes from measured noise: two back-to-back quick runs of the same
+commit on the 2-core AMD EPYC VM (bench/RESULTS.md, "Run-to-run noise") moved the 66 benchmarks'
+medians by 0.92x to 1.21x (the 2-thread decode rows the most: the VM's second core is shared).
+The threshold sits well above that, so the same code does not fail against itself, and a real
+regression of 30% or more shows.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import json
 import sys
 from pathlib import Path
 
-THRESHOLD = 0.25
+THRESHOLD = 0.30
 
 
 def saved_runs(storage: Path) -> list[Path]:
@@ -66,6 +68,19 @@ def compare(base: dict, new: dict, threshold: float) -> tuple[list[str], list[st
     return lines, regressed
 
 
+def table(run: dict) -> str:
+    """Markdown: per group, each benchmark's median and spread (max - min) over its rounds."""
+    lines = ["| group | benchmark | median | spread | rounds |", "|---|---|---|---|---|"]
+    for b in sorted(run["benchmarks"], key=lambda b: (b["group"] or "", b["name"])):
+        st = b["stats"]
+        scale, unit = (1e3, "ms") if st["median"] < 1 else (1.0, "s")
+        lines.append(
+            f"| {b['group']} | {b['param'] or b['name']} | {st['median'] * scale:.2f} {unit} "
+            f"| {(st['max'] - st['min']) * scale:.2f} {unit} | {st['rounds']} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("base", nargs="?", default=None)
@@ -73,8 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threshold", type=float, default=THRESHOLD)
     parser.add_argument("--storage", type=Path, default=Path(".benchmarks"))
     parser.add_argument("--any-machine", action="store_true")
+    parser.add_argument("--table", action="store_true", help="print NEW's medians, compare none")
     args = parser.parse_args(argv)
     runs = saved_runs(args.storage)
+    if args.table:
+        print(table(json.loads(pick(runs, args.new, -1).read_text())))
+        return 0
     if len(runs) < 2 and not (args.base and args.new):
         print(f"need two saved runs in {args.storage} (make bench saves one per run)")
         return 2
