@@ -8,8 +8,10 @@
 and NEW name saved runs by their number ("0003") or a path; NEW defaults to the newest run and
 BASE to the one before it. Every benchmark present in both is compared by its median: a
 benchmark regressed when NEW's median exceeds BASE's by more than --threshold (a fraction).
-Exit 1 when any regressed, 2 when there is nothing to compare or the runs come from different
-CPUs (their timings measure the machines, not the code; --any-machine compares anyway).
+Exit 1 when any regressed, 2 when there is nothing to compare, when one run is quick and the
+other full (a quick benchmark does less work than the full one of the same name), or when the
+runs come from different CPUs (their timings measure the machines, not the code; --any-machine
+compares anyway).
 
 The default threshold (0.30) comes from measured noise: two back-to-back quick runs of the same
 commit on the 2-core AMD EPYC VM (bench/RESULTS.md, "Run-to-run noise") moved the 66 benchmarks'
@@ -102,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"base {base_path.name} ({cpu(base)})\nnew  {new_path.name} ({cpu(new)})")
     if cpu(base) != cpu(new) and not args.any_machine:
         print("different CPUs: their timings compare machines, not code (--any-machine)")
+        return 2
+    kinds = [run.get("suite", {}).get("quick") for run in (base, new)]
+    if kinds[0] != kinds[1]:
+        print(f"one run is quick and the other is not (quick: {kinds[0]} / {kinds[1]})")
         return 2
     lines, regressed = compare(base, new, args.threshold)
     if not lines:

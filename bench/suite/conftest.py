@@ -15,3 +15,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="folder with llama.cpp's llama-bench (default: $TANDEM_LLAMA_CPP; absent: skipped)",
     )
     group.addoption("--repeats", type=int, default=3, help="alternating rounds per group")
+
+
+def pytest_benchmark_update_json(config: pytest.Config, benchmarks, output_json: dict) -> None:
+    """Saved runs say which subset ran: a quick run's benchmarks do less work than a full run's
+    of the same name, so bench.compare compares only runs of one kind."""
+    output_json["suite"] = {"quick": bool(config.getoption("quick"))}

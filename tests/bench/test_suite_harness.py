@@ -69,22 +69,27 @@ def test_record_hands_the_alternated_rounds_to_pytest_benchmark(tmp_path):
     command = [sys.executable, "-m", "pytest", str(tmp_path / "bench_x.py"), "-q"]
     command += ["-p", "no:cacheprovider", "-o", "python_files=bench_*.py", "-o", "addopts="]
     command += ["--rootdir", str(tmp_path), f"--benchmark-json={out}", "-W", "error"]
+    command += ["-p", "bench.suite.conftest"]  # the suite's options and JSON hook
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     (bench,) = json.loads(out.read_text())["benchmarks"]
     stats = bench["stats"]
     assert (stats["rounds"], stats["median"], stats["min"], stats["max"]) == (3, 2.0, 1.0, 3.0)
     assert bench["group"] == "group-x"
+    assert json.loads(out.read_text())["suite"] == {"quick": False}  # conftest's hook
     assert bench["extra_info"]["metric"] == "seconds"
     assert bench["extra_info"]["tokens"] == 7 and bench["extra_info"]["equal"] is True
     assert isinstance(bench["extra_info"]["load_average"], float)
 
 
-def _save(storage: Path, number: int, medians: dict[str, float], cpu: str = "EPYC") -> None:
+def _save(
+    storage: Path, number: int, medians: dict[str, float], cpu: str = "EPYC", quick: bool = True
+) -> None:
     folder = storage / "Linux-CPython-3.11-64bit"
     folder.mkdir(parents=True, exist_ok=True)
     run = {
         "machine_info": {"cpu": {"brand_raw": cpu, "count": 2}},
+        "suite": {"quick": quick},
         "benchmarks": [{"fullname": k, "stats": {"median": v}} for k, v in medians.items()],
     }
     (folder / f"{number:04d}_abc_20261124.json").write_text(json.dumps(run))
@@ -99,7 +104,9 @@ def test_compare_fails_only_beyond_the_threshold_and_only_on_one_machine(tmp_pat
     assert compare.main(["--storage", str(tmp_path), "0001", "--threshold", "0.25"]) == 1
     assert "REGRESSION" in capsys.readouterr().out.splitlines()[3]  # a, the worst row
     assert compare.main(["--storage", str(tmp_path), "0002", "--threshold", "0.25"]) == 0
-    _save(tmp_path, 4, {"a": 1.0}, cpu="Xeon")
+    _save(tmp_path, 4, {"a": 1.0}, quick=False)  # same names, more work: not comparable
     assert compare.main(["--storage", str(tmp_path)]) == 2
-    assert compare.main(["--storage", str(tmp_path), "--any-machine"]) == 0
+    _save(tmp_path, 5, {"a": 1.0}, cpu="Xeon")
+    assert compare.main(["--storage", str(tmp_path)]) == 2
+    assert compare.main(["--storage", str(tmp_path), "0003", "--any-machine"]) == 0
     assert compare.main(["--storage", str(tmp_path / "empty")]) == 2
