@@ -154,7 +154,8 @@ def hf_mode(model, prompt: list[int], tokens: int, cache_implementation=None) ->
             **extra,
         )
         new = stamps.times[1:]  # the first put() is the prompt
-        metrics = {"ttft": new[0] - t0, "per_token": (new[-1] - new[0]) / (len(new) - 1)}
+        per_token = (new[-1] - new[0]) / (len(new) - 1)
+        metrics = {"ttft": new[0] - t0, "per_token": per_token, "seconds": new[-1] - t0}
         return Run(metrics, [out[0, len(prompt) :].tolist()], {"tokens": len(new)})
 
     return run

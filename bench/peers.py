@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.harness import Run, alternate
+
 MODEL = "smollm2-135m-instruct"
 CHATS = [
     "Tell me a story about a lighthouse keeper who finds a message in a bottle.",
@@ -94,15 +96,33 @@ def engine_decode(llm, prompt: list[int]) -> tuple[float, list[int]]:
     return (len(ids) - 1) / (stamps[-1] - stamps[0]), ids
 
 
-def engine_batch(llm, prompts: list[list[int]]) -> float:
+def engine_batch(llm, prompts: list[list[int]]) -> Run:
+    """All prompts at once, 38 new tokens each: wall seconds and every request's token ids."""
     from engine import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=38, ignore_eos=True)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
-    assert all(len(o.outputs[0].token_ids) == 38 for o in outs)
-    return seconds
+    ids = [o.outputs[0].token_ids for o in outs]
+    assert all(len(t) == 38 for t in ids)
+    return Run({"seconds": seconds}, ids, {"tokens": 38 * len(prompts)})
+
+
+def batch_measure(threads: int, repeats: int, bin_dir: Path, gguf: Path):
+    """The engine's 24 x (75 + 38) batch against llama-batched-bench's, alternated (the suite's
+    llama.cpp batch group). Also each request run alone on the engine, untimed: a row's tokens
+    must not depend on what shares its step (the GGUF path's row invariance)."""
+    llm = make_llm(threads)
+    prompts = batch_prompts(llm)
+
+    def llama() -> Run:
+        return Run({"seconds": llama_batch(bin_dir, gguf, threads)}, None, {"tokens": 38 * 24})
+
+    modes = {"engine": lambda: engine_batch(llm, prompts), "llama.cpp": llama}
+    timings = alternate(modes, repeats, threads=threads)
+    alone = [engine_batch(llm, [p]).outputs[0] for p in prompts]
+    return timings, alone
 
 
 def make_llm(threads: int, **kwargs):
@@ -130,7 +150,7 @@ def peer_rounds(threads: int, repeats: int, bin_dir: Path | None, gguf: Path) ->
         got["decode"].append(engine_decode(llm, chat)[0])
         if bin_dir:
             got["llama_decode"].append(llama_decode(bin_dir, gguf, threads))
-        got["batch"].append(engine_batch(llm, prompts))
+        got["batch"].append(engine_batch(llm, prompts).metrics["seconds"])
         if bin_dir:
             got["llama_batch"].append(llama_batch(bin_dir, gguf, threads))
     return got
