@@ -175,12 +175,7 @@ def serving() -> Iterator[str]:
             _wait_healthy(url, server, log)
             yield url
         finally:
-            server.terminate()
-            try:
-                server.wait(30)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
+            stop(server)
 
 
 def _die_with_parent() -> None:
@@ -192,6 +187,16 @@ def _die_with_parent() -> None:
 
         pr_set_pdeathsig = 1
         ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def stop(process: subprocess.Popen, grace: float = 30.0) -> None:
+    """SIGTERM (the server drains and exits), then SIGKILL if it has not within `grace` s."""
+    process.terminate()
+    try:
+        process.wait(grace)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def _wait_healthy(url: str, process: subprocess.Popen, log, timeout: float = 300.0) -> None:

@@ -268,6 +268,7 @@ def run(args) -> dict:
     """The whole soak; returns the figures (also used by tests/e2e/test_soak.py)."""
     from transformers import AutoConfig
 
+    from bench.server import stop
     from engine.models.config import ModelConfig
     from engine.models.registry import resolve_model
     from playground.demo_adapters import write_demo_adapters
@@ -292,11 +293,7 @@ def run(args) -> dict:
         after = wait_idle(url)
         health = httpx.get(url + "/health").status_code
     finally:
-        server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop(server)
     used = after["tandem_kv_blocks{state=used}"]
     quarter = [m for t, m in rss if t >= rss[-1][0] / 4]
     return {
