@@ -83,14 +83,25 @@ def test_record_hands_the_alternated_rounds_to_pytest_benchmark(tmp_path):
 
 
 def _save(
-    storage: Path, number: int, medians: dict[str, float], cpu: str = "EPYC", quick: bool = True
+    storage: Path,
+    number: int,
+    medians: dict[str, float],
+    cpu: str = "EPYC",
+    quick: bool = True,
+    spread: float = 0.05,
 ) -> None:
     folder = storage / "Linux-CPython-3.11-64bit"
     folder.mkdir(parents=True, exist_ok=True)
     run = {
         "machine_info": {"cpu": {"brand_raw": cpu, "count": 2}},
         "suite": {"quick": quick},
-        "benchmarks": [{"fullname": k, "stats": {"median": v}} for k, v in medians.items()],
+        "benchmarks": [
+            {
+                "fullname": k,
+                "stats": {"median": v, "min": (1 - spread) * v, "max": (1 + spread) * v},
+            }
+            for k, v in medians.items()
+        ],
     }
     (folder / f"{number:04d}_abc_20261124.json").write_text(json.dumps(run))
 
@@ -104,9 +115,11 @@ def test_compare_fails_only_beyond_the_threshold_and_only_on_one_machine(tmp_pat
     assert compare.main(["--storage", str(tmp_path), "0001", "--threshold", "0.25"]) == 1
     assert "REGRESSION" in capsys.readouterr().out.splitlines()[3]  # a, the worst row
     assert compare.main(["--storage", str(tmp_path), "0002", "--threshold", "0.25"]) == 0
-    _save(tmp_path, 4, {"a": 1.0}, quick=False)  # same names, more work: not comparable
+    _save(tmp_path, 4, {"a": 1.35}, spread=0.5)  # 1.35x, but its rounds overlap 0001's
+    assert compare.main(["--storage", str(tmp_path), "0001", "--threshold", "0.25"]) == 0
+    _save(tmp_path, 5, {"a": 1.0}, quick=False)  # same names, more work: not comparable
     assert compare.main(["--storage", str(tmp_path)]) == 2
-    _save(tmp_path, 5, {"a": 1.0}, cpu="Xeon")
+    _save(tmp_path, 6, {"a": 1.0}, cpu="Xeon")
     assert compare.main(["--storage", str(tmp_path)]) == 2
     assert compare.main(["--storage", str(tmp_path), "0003", "--any-machine"]) == 0
     assert compare.main(["--storage", str(tmp_path / "empty")]) == 2
