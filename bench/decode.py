@@ -10,8 +10,9 @@ One request at a time, greedy, EOS ignored, prefix caching off; the prompt is re
 - gguf: the engine on the GGUF's own 4-bit blocks (the default on CPU);
 - fp32+ngram / fp32+self: the exact weights with n-gram prompt lookup / with the GGUF's blocks
   drafting for them (`draft_model="self"`), adaptive k;
-- hf: HF transformers `generate` at its fastest setting measured on this CPU (HF_FASTEST; the
-  suite's `hf-settings` group measures eager / sdpa attention x dynamic / static cache);
+- hf: HF transformers `generate` at its fastest setting measured on this CPU
+  (bench/hf_baselines.py's HF_FASTEST; the suite's `hf-settings` group measures eager / sdpa
+  attention x dynamic / static cache);
 - llama.cpp: `llama-bench` on the same GGUF (pp rate for the prompt, tg rate at that depth), when
   its binaries are given (--llama-cpp or TANDEM_LLAMA_CPP); its tokens are not visible to us.
 fp32, fp32+ngram, fp32+self and hf must produce the same token ids (exit 1 otherwise); gguf is
@@ -40,11 +41,10 @@ from pathlib import Path
 import torch
 
 from bench.harness import Run, Timings, alternate, summary, unequal
+from bench.hf_baselines import HF_FASTEST, generate, load_hf_model
+from bench.speculative import counters
+from bench.workload import MODEL
 
-MODEL = "smollm2-135m-instruct"
-# HF's fastest setting on this CPU, from the suite's hf-settings group (bench/RESULTS.md): sdpa
-# attention, the default dynamic cache. The group fails when another setting is faster.
-HF_FASTEST = {"attn_implementation": "sdpa", "cache_implementation": None}
 EXACT = ["fp32+ngram", "fp32+self", "hf"]  # must equal fp32 token for token
 ENGINES = {
     "fp32": dict(quantization=None),
@@ -80,25 +80,20 @@ def make_llm(mode: str, threads: int, max_len: int):
     )
 
 
-def spec_counts(llm) -> tuple[int, int, int]:
-    s = llm.engine.speculation.stats
-    return s.num_steps, s.num_drafts, s.num_accepted
-
-
 def engine_mode(llm, prompt: list[int], tokens: int) -> Callable[[], Run]:
     from engine import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
 
     def run() -> Run:
-        before = spec_counts(llm)
+        before = counters(llm)
         stamps, ids, first = [], [], 0
         t0 = time.perf_counter()
         for delta in llm.stream(prompt, params):
             stamps.append(time.perf_counter())
             ids += delta.outputs[0].token_ids
             first = first or len(ids)
-        steps, drafts, accepted = (b - a for a, b in zip(before, spec_counts(llm), strict=True))
+        steps, drafts, accepted = (b - a for a, b in zip(before, counters(llm), strict=True))
         info = {"tokens": len(ids), "drafts": drafts, "accepted": accepted}
         if steps:
             info["accepted_per_step"] = accepted / steps
@@ -122,41 +117,17 @@ class _Stamps:
         pass
 
 
-def load_hf(attn_implementation: str = "sdpa"):
-    from transformers import AutoModelForCausalLM
-
-    from engine.models.registry import resolve_model
-
-    path = str(resolve_model(MODEL))
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation=attn_implementation
-    )
-    return model.eval()
-
-
 def hf_mode(model, prompt: list[int], tokens: int, cache_implementation=None) -> Callable[[], Run]:
-    ids = torch.tensor([prompt])
-    never = int(model.config.vocab_size)  # an EOS id it cannot emit: exactly `tokens` tokens
-    extra = {"cache_implementation": cache_implementation} if cache_implementation else {}
-
-    @torch.inference_mode()
     def run() -> Run:
         stamps = _Stamps()
         t0 = time.perf_counter()
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=tokens,
-            eos_token_id=never,
-            pad_token_id=0,
-            streamer=stamps,
-            **extra,
+        ids = generate(
+            model, [prompt], tokens, streamer=stamps, cache_implementation=cache_implementation
         )
         new = stamps.times[1:]  # the first put() is the prompt
         per_token = (new[-1] - new[0]) / (len(new) - 1)
         metrics = {"ttft": new[0] - t0, "per_token": per_token, "seconds": new[-1] - t0}
-        return Run(metrics, [out[0, len(prompt) :].tolist()], {"tokens": len(new)})
+        return Run(metrics, ids, {"tokens": len(new)})
 
     return run
 
@@ -221,7 +192,7 @@ def measure(
     hf_settings = hf_settings or {"hf": tuple(HF_FASTEST.values())}
     hf_models = {}
     for name, (attn, cache) in hf_settings.items():
-        model = hf_models.get(attn) or hf_models.setdefault(attn, load_hf(attn))
+        model = hf_models.get(attn) or hf_models.setdefault(attn, load_hf_model(attn))
         modes[name] = hf_mode(model, prompt, tokens, cache)
     if llama_cpp:
         modes["llama.cpp"] = llama_cpp_mode(llama_cpp, prompt_len, tokens, threads)

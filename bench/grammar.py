@@ -13,7 +13,7 @@ time; at batch b, b distinct requests run together. Modes, each its own engine:
 - forced: constrained, grammar-forced tokens as free drafts (no proposer);
 - forced+ngram: constrained, forced tokens plus n-gram prompt lookup (adaptive speculation);
 - hf (batch 1, unless --no-hf): HF transformers `generate()` at its fastest measured setting
-  (bench/decode.py's HF_FASTEST) with xgrammar's own HF logits processor, same grammars.
+  (bench/hf_baselines.py's HF_FASTEST) with xgrammar's own HF logits processor, same grammars.
 
 Fair by construction (bench/harness.py): constraints are compiled before any timing, every mode
 is warmed up once on the same requests as its timed runs (the constrained warm-up also gives
@@ -47,6 +47,7 @@ from collections.abc import Callable
 import torch
 
 from bench.harness import Run, Timings, alternate, summary, unequal
+from bench.hf_baselines import generate, load_hf_model
 
 MODEL = "smollm2-135m-instruct"
 
@@ -198,29 +199,18 @@ def hf_mode(model, tokenizer, prompts, schemas, max_tokens: int) -> Callable[[],
     here (outside the timings, as the engine's are)."""
     import xgrammar as xgr
 
-    from bench.decode import HF_FASTEST
-
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=model.config.vocab_size)
     compiler = xgr.GrammarCompiler(info, max_threads=1)
     grammars = [compiler.compile_json_schema(json.dumps(s), any_whitespace=False) for s in schemas]
-    cache = HF_FASTEST["cache_implementation"]
-    extra = {"cache_implementation": cache} if cache else {}
 
-    @torch.inference_mode()
     def run() -> Run:
         outs = []
         t0 = time.perf_counter()
         for ids, grammar in zip(prompts, grammars, strict=True):
-            out = model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=max_tokens,
-                logits_processor=[xgr.contrib.hf.LogitsProcessor(grammar)],  # one per request
-                pad_token_id=tokenizer.eos_token_id,
-                **extra,
+            processor = xgr.contrib.hf.LogitsProcessor(grammar)  # one per request
+            outs += generate(
+                model, [ids], max_tokens, ignore_eos=False, logits_processor=[processor]
             )
-            outs.append(out[0, len(ids) :].tolist())
         seconds = time.perf_counter() - t0
         return Run(
             {"seconds": seconds}, outs, {"tokens": sum(map(len, outs)), "requests": len(outs)}
@@ -275,11 +265,9 @@ def measure_batch(llms, batch: int, max_tokens: int, repeats: int, num_requests=
 
 def measure(batches, max_tokens: int, repeats: int, num_requests=None, hf: bool = False):
     """{batch: {mode: Timings}}, the engines built once for every batch size."""
-    from bench.decode import HF_FASTEST, load_hf
-
     torch.set_num_threads(1)
     llms = engines(max(batches))
-    model = load_hf(HF_FASTEST["attn_implementation"]) if hf and 1 in batches else None
+    model = load_hf_model() if hf and 1 in batches else None
     return {b: measure_batch(llms, b, max_tokens, repeats, num_requests, model) for b in batches}
 
 

@@ -10,7 +10,7 @@ adapters on all seven projections (q/k/v/o/gate/up/down, A and B random), saved 
 (random ids, 16-64 tokens) in one `LLM.generate` batch: **base** (no adapter), and **loraN**
 for each N of --counts: N distinct adapters spread round-robin over the requests (max_loras =
 the largest N, so one step holds them all; every adapter is loaded before the timings). Unless
---no-hf, **hf+peft8**: HF transformers + PEFT `generate()` at bench.decode's HF_FASTEST setting
+--no-hf, **hf+peft8**: HF transformers + PEFT `generate()` at bench.hf_baselines' HF_FASTEST setting
 on the same batch (left-padded), the 8 adapters mixed per row through PEFT's `adapter_names`.
 The modes alternate (bench/harness.py: a warm-up each, then --repeats rounds); each reports the
 median wall seconds of the batch and the spread, throughput = output tokens / seconds.
@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from bench.harness import Run, Timings, alternate, first_difference, summary
+from bench.hf_baselines import HF_FASTEST, generate
 
 MODEL = "smollm2-135m-instruct"
 ALL7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -98,8 +99,6 @@ def load_peft(base_dir: Path, paths: list[Path]):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from bench.decode import HF_FASTEST
-
     model = AutoModelForCausalLM.from_pretrained(
         str(base_dir), dtype=torch.float32, attn_implementation=HF_FASTEST["attn_implementation"]
     )
@@ -109,46 +108,20 @@ def load_peft(base_dir: Path, paths: list[Path]):
     return model.eval()
 
 
-@torch.inference_mode()
-def greedy(model, ids: torch.Tensor, mask: torch.Tensor, max_tokens: int, **kwargs) -> list:
-    """HF `generate`, greedy, at HF_FASTEST: the new token ids per row. ids, mask: [batch,
-    width], left-padded."""
-    from bench.decode import HF_FASTEST
-
-    cache = HF_FASTEST["cache_implementation"]
-    out = model.generate(  # [batch, width + max_tokens]
-        input_ids=ids,
-        attention_mask=mask,
-        max_new_tokens=max_tokens,
-        do_sample=False,
-        pad_token_id=0,
-        # EOS ignored as in our runs: an unreachable eos id, not min_new_tokens (which would
-        # ban EOS from the argmax where our greedy may pick it).
-        eos_token_id=model.config.vocab_size,
-        **({"cache_implementation": cache} if cache else {}),
-        **kwargs,
-    )
-    return out[:, ids.shape[1] :].tolist()
-
-
 def hf_mixed(model, prompts: list[list[int]], max_tokens: int, adapters: list[int]) -> list:
-    """The prompts in one batch, left-padded with id 0, each row with its adapter (PEFT's
-    `adapter_names`)."""
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # [batch, width]
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])  # [batch, width]
-    return greedy(model, ids, mask, max_tokens, adapter_names=[f"a{a}" for a in adapters])
+    """The prompts in one left-padded batch, each row with its adapter (PEFT's `adapter_names`),
+    EOS ignored as in our runs."""
+    return generate(model, prompts, max_tokens, adapter_names=[f"a{a}" for a in adapters])
 
 
 def hf_alone(model, prompt: list[int], max_tokens: int, adapter: int | None) -> list[int]:
     """One request, batch 1, no padding, through PEFT's plain single-adapter path (the
     adapter made active, or every adapter disabled for the base model)."""
-    ids = torch.tensor([prompt])  # [1, prompt_len]
     if adapter is None:
         with model.disable_adapter():
-            return greedy(model, ids, torch.ones_like(ids), max_tokens)[0]
+            return generate(model, [prompt], max_tokens)[0]
     model.set_adapter(f"a{adapter}")
-    return greedy(model, ids, torch.ones_like(ids), max_tokens)[0]
+    return generate(model, [prompt], max_tokens)[0]
 
 
 def hf_mode(model, prompts: list[list[int]], max_tokens: int) -> Callable[[], Run]:

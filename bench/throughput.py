@@ -17,7 +17,7 @@ median and spread), each pass the whole workload:
 - hf_cb: transformers' continuous batching (paged KV), one request per output length.
 - hf_seq (only when asked for in --modes): `model.generate` one request at a time; with
   --hf-seq-limit K only the first K requests (its tok/s stands for the whole workload).
-HF runs at its fastest measured setting (bench/decode.py's HF_FASTEST), see bench/hf_baselines.py.
+HF runs at its fastest measured setting (HF_FASTEST in bench/hf_baselines.py).
 
 Time: wall seconds for the whole workload (model loading, cache allocation excluded);
 throughput: output tokens / those seconds. Every HF mode's token ids must equal tandem's on
