@@ -120,6 +120,6 @@ def test_compare_fails_only_beyond_the_threshold_and_only_on_one_machine(tmp_pat
     _save(tmp_path, 5, {"a": 1.0}, quick=False)  # same names, more work: not comparable
     assert compare.main(["--storage", str(tmp_path)]) == 2
     _save(tmp_path, 6, {"a": 1.0}, cpu="Xeon")
-    assert compare.main(["--storage", str(tmp_path)]) == 2
+    assert compare.main(["--storage", str(tmp_path), "0003"]) == 2  # quick on both, other CPUs
     assert compare.main(["--storage", str(tmp_path), "0003", "--any-machine"]) == 0
     assert compare.main(["--storage", str(tmp_path / "empty")]) == 2
