@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.checks import Rule, check_rules, int_in, number_in
 from engine.errors import ParamError
 from engine.outputs import RequestGroup
 from engine.request import Request, RequestStatus
@@ -41,20 +42,15 @@ class BeamSearchParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.beam_width, int) or self.beam_width < 1:
-            raise ParamError(
-                "beam_width", f"beam_width must be an integer >= 1, got {self.beam_width!r}"
-            )
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ParamError(
-                "max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"
-            )
-        lp = self.length_penalty
-        if isinstance(lp, bool) or not isinstance(lp, int | float) or not -10 <= lp <= 10:
-            # (a finite bound: len ** lp must stay a float; NaN fails the comparison too)
-            raise ParamError(
-                "length_penalty", f"length_penalty must be a number in [-10, 10], got {lp!r}"
-            )
+        check_rules(self, _RULES, ParamError)
+
+
+_RULES: list[Rule] = [
+    ("beam_width", int_in(1), "must be an integer >= 1"),
+    ("max_tokens", int_in(1), "must be an integer >= 1"),
+    # a finite bound: len ** length_penalty must stay a float (NaN fails the check too)
+    ("length_penalty", number_in(-10, 10), "must be a number in [-10, 10]"),
+]
 
 
 @dataclass

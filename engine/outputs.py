@@ -62,7 +62,6 @@ def advance(sent: Sent, num_chars: int, num_tokens: int, finished: bool) -> Sent
 @dataclass
 class RequestMetrics:
     arrival_time: float
-    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
     num_cached_tokens: int = 0
@@ -80,7 +79,6 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
-    extra: dict = field(default_factory=dict)
     error: str | None = None  # set when the request ended with finish_reason "error"
     error_status: int | None = None  # 400: the request's own fault; 500: ours
 
@@ -126,7 +124,7 @@ class OutputAccumulator:
             mine.cumulative_logprob = c.cumulative_logprob
             mine.finish_reason, mine.stop_reason = c.finish_reason, c.stop_reason
         out.finished, out.metrics = delta.finished, delta.metrics
-        out.num_cached_tokens, out.extra = delta.num_cached_tokens, delta.extra
+        out.num_cached_tokens = delta.num_cached_tokens
         out.error, out.error_status = delta.error, delta.error_status
         if delta.prompt_logprobs is not None:
             out.prompt_logprobs = delta.prompt_logprobs

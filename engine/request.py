@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
@@ -100,7 +99,6 @@ class Request(TokenHistory):
         budget = max_model_len - self.num_prompt_tokens
         self.max_output_tokens = min(params.max_tokens or budget, budget)
         self.stop_reason: int | str | None = None
-        self.arrival_time = time.monotonic()
         self.num_preemptions = 0
         self.num_cached_tokens = -1  # prefix-cache hit on first schedule; -1 = not yet
         self.cache_extra_keys = cache_extra_keys

@@ -45,10 +45,6 @@ class RequestAt(TokenHistory):
     def num_output_tokens(self) -> int:
         return self.request.num_output_tokens + len(self.drafts)
 
-    @property
-    def generator(self) -> torch.Generator | None:
-        return self.request.generator
-
 
 @dataclass(slots=True)
 class SamplingBatch:

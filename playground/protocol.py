@@ -204,19 +204,10 @@ def sampling_params(body: dict, max_tokens_default: int | None, **overrides) -> 
     kwargs = {k: body[k] for k in _SAMPLING_FIELDS if body.get(k) is not None}
     kwargs.setdefault("max_tokens", max_tokens_default)
     kwargs.update({k: v for k, v in overrides.items() if v is not None})
-    if isinstance(kwargs.get("logit_bias"), dict):  # JSON keys are strings
-        kwargs["logit_bias"] = {_token_key(k): v for k, v in kwargs["logit_bias"].items()}
     try:
         return SamplingParams(**kwargs, structured_outputs=structured_outputs(body))
     except ValueError as exc:
         raise param_error(exc, body, "structured_outputs") from None
-
-
-def _token_key(key):
-    try:
-        return int(key)
-    except (TypeError, ValueError):
-        raise APIError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
 
 
 def refuse_unsupported(body: dict) -> None:
