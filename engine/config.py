@@ -90,9 +90,16 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Tensor parallelism (engine.tensor_parallel): the target's attention heads and MLP split
+    # over this many ranks, each a process with its heads' share of the KV cache, summed over
+    # torch.distributed (gloo, on CPU); quantized weights and LoRA adapters split with their
+    # layers; a draft model runs whole on rank 0.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         check_rules(self, _RULES, lambda _, message: ValueError(message))
+        if self.tensor_parallel_size > 1:
+            self._check_tensor_parallel()
         if self.speculative_method == "draft" and not self.draft_model:
             raise ValueError("speculative_method='draft' needs draft_model")
         if self.draft_model == "self" and self.quantization not in ("auto", None):
@@ -114,6 +121,13 @@ class EngineConfig:
             )
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={self.device!r} but torch sees no CUDA device")
+
+    def _check_tensor_parallel(self) -> None:
+        tp = f"tensor_parallel_size={self.tensor_parallel_size}"
+        if self.async_scheduling:
+            raise ValueError(f"{tp} does not support async_scheduling=True yet")
+        if self.torch_device.type != "cpu":
+            raise ValueError(f"{tp} runs on CPU (gloo) so far, got device={self.device!r}")
 
     @property
     def torch_device(self) -> torch.device:
@@ -155,6 +169,7 @@ _RULES: list[Rule] = [
     ("kv_cache_memory_bytes", int_in(1, optional=True), _POSITIVE + " or None"),
     ("num_kv_blocks", int_in(2, optional=True), "must be an integer >= 2 or None"),
     ("num_threads", int_in(1, optional=True), _POSITIVE + " or None"),
+    ("tensor_parallel_size", int_in(1, 64), "must be an integer in [1, 64]"),
     (
         "speculative_method",
         one_of(None, "ngram", "draft"),

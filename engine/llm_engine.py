@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import nullcontext
 
 import torch
 
@@ -31,6 +32,7 @@ from engine.pipeline import InFlight, Pipeline, may_overlap
 from engine.request import Request, RequestStatus, step_token_kinds
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.tensor_parallel import Workers
 from lora.adapter import LoRAAdapter, LoRARequest
 from lora.batch import LoRASlots
 from lora.registry import AdapterRegistry
@@ -46,7 +48,9 @@ class LLMEngine:
         if device.type == "cuda" and device.index is not None:
             # Triton launches and CUDA graphs act on the current device, not the tensors'.
             torch.cuda.set_device(device)
-        models = load_engine_models(config)
+        self.workers = Workers.start(config)  # tensor parallelism's other ranks, loading now
+        with self.workers or nullcontext():  # (a failed load stops them)
+            models = load_engine_models(config, self.workers and self.workers.group)
         self.tokenizer, self.eos_token_ids = models.tokenizer, models.eos_token_ids
         self.decoder = ExactDecoder(self.tokenizer)  # exact decoding for every output
         self.model_config = cfg = models.cfg
@@ -63,7 +67,9 @@ class LLMEngine:
             config.max_num_batched_tokens,
             config.max_loras if config.enable_lora else None,
         )
-        self.runner = self._runner(models.model, cfg, num_blocks)
+        self.runner = self._runner(models.model, models.shard_cfg, num_blocks)
+        if self.workers is not None:
+            self.workers.attach(self.runner, num_blocks)
         self.runner.generator.manual_seed(config.seed)
         self.adapters = self._adapters("lora_request", self.runner)
         self.draft_runner = self.draft_adapters = None
@@ -88,13 +94,11 @@ class LLMEngine:
         # host; with a proposer no step overlaps (see pipeline.may_overlap), so none is kept.
         self.runner.keep_sampled = self.async_scheduling and self.speculation.proposer is None
         self.pipeline = Pipeline()
-        # Groups a step() touched before it raised: their outputs come with the next step().
-        self._undelivered: list[RequestGroup] = []
+        self._undelivered: list[RequestGroup] = []  # a raising step()'s: out with the next
         self.grammar = None  # GrammarManager, made for the first constrained request
         self._grammar_lock = threading.Lock()
         self.groups: dict[str, RequestGroup] = {}
-        self.num_steps = 0
-        self.num_generated_tokens = 0
+        self.num_steps = self.num_generated_tokens = 0
         self.num_request_errors = 0  # groups ended by a failure of their own (Request.fail)
 
     def _runner(self, model, cfg, num_blocks: int) -> ModelRunner:
@@ -110,8 +114,9 @@ class LLMEngine:
     def _adapters(self, param: str, runner: ModelRunner) -> AdapterRegistry:
         config = self.config
         capacity = config.max_cpu_loras or 2 * config.max_loras
+        model_cfg = runner.model.config  # the whole model's shape (runner.cfg: this rank's)
         return AdapterRegistry(
-            param, runner.cfg, config.max_lora_rank, capacity, runner.lora_slots, self._held
+            param, model_cfg, config.max_lora_rank, capacity, runner.lora_slots, self._held
         )
 
     def _held(self) -> set[int]:

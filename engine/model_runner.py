@@ -26,7 +26,14 @@ import torch
 from engine.backends import TORCH, Backend
 from engine.cuda_graphs import GraphRunner
 from engine.device import HostCopy, host_tensor, to_device
-from engine.inputs import ForwardItem, SampledTokens, fill_pending, flat_inputs, pending_inputs
+from engine.inputs import (
+    FlatInputs,
+    ForwardItem,
+    SampledTokens,
+    fill_pending,
+    flat_inputs,
+    pending_inputs,
+)
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.rejection import (
@@ -212,6 +219,9 @@ class ModelRunner:
         # launched step's) for the next step's inputs.
         self.keep_sampled = False
         self.sampled: SampledTokens | None = None
+        # Tensor parallelism: the other ranks (engine.tensor_parallel.Workers), told of every
+        # forward's inputs and every block copy before this rank runs it.
+        self.workers = None
 
     def use_graphs(self, max_num_seqs: int, max_model_len: int, max_query_len: int) -> None:
         """Decode and verification steps (up to max_query_len tokens per request, no adapter)
@@ -229,26 +239,51 @@ class ModelRunner:
         )
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        if copies:
-            src, dst = (
-                to_device(torch.tensor(c, dtype=torch.long), self.device)
-                for c in zip(*copies, strict=True)
-            )
-            self.kv_caches[:, :, :, dst] = self.kv_caches[:, :, :, src]
+        if not copies:
+            return
+        if self.workers is not None:
+            self.workers.copy_blocks(copies)
+        src, dst = (
+            to_device(torch.tensor(c, dtype=torch.long), self.device)
+            for c in zip(*copies, strict=True)
+        )
+        self.kv_caches[:, :, :, dst] = self.kv_caches[:, :, :, src]
 
     @torch.inference_mode()
     def forward(self, items: list[ForwardItem], tables: dict[Request, list[int]]) -> torch.Tensor:
         """Run every item's tokens in one flat batch; returns hidden states [sum(len), hidden]."""
-        lora = self._lora_batch(items)
+        token_slots = self._token_slots(items)
+        lora = token_slots and self.backend.lora_batch(self.lora_slots, token_slots)
         if lora is None and self.graphs is not None and self.graphs.fits(items):
             return self.graphs.forward(items, tables, self.sampled)
         flat = flat_inputs(items, tables, self.block_size)
+        if self.workers is not None:
+            self.workers.forward(flat, self._placed(), token_slots)
+        return self.forward_flat(flat, lora, pending_inputs(items))
+
+    def _placed(self) -> list:
+        """The adapter slot changes since the last call (tensor parallelism tells the others)."""
+        slots = self.lora_slots
+        if slots is None:
+            return []
+        placed, slots.placed = slots.placed, []
+        return placed
+
+    def forward_flat(
+        self,
+        flat: FlatInputs,
+        lora: LoRABatch | None = None,
+        pending: tuple[list[int], list[int]] | None = None,
+    ) -> torch.Tensor:
+        """The forward of flat inputs (a tensor-parallel worker runs rank 0's this way); pending:
+        inputs still on the device (async scheduling)."""
         slots = host_tensor(flat.slots)
         fused = lora is None and self.model.fused_decode
         meta = self.backend.metadata(flat, slots, self.block_size, self.cfg.sliding_window, fused)
         ids, pos = host_tensor(flat.input_ids), host_tensor(flat.positions)
         ids, pos, meta, lora = to_device((ids, pos, meta, lora), self.device)
-        fill_pending(ids, pending_inputs(items), self.sampled)
+        if pending is not None:
+            fill_pending(ids, pending, self.sampled)
         return self.model(ids, pos, self.kv_caches, meta, lora)
 
     def device_logits(self, hidden: torch.Tensor, rows: list[int] | None) -> torch.Tensor:
@@ -257,7 +292,9 @@ class ModelRunner:
             hidden = hidden[to_device(host_tensor(rows), self.device)]
         return self.model.compute_logits(hidden)[:, : self.cfg.vocab_size]
 
-    def _lora_batch(self, items: list[ForwardItem]) -> LoRABatch | None:
+    def _token_slots(self, items: list[ForwardItem]) -> list[int] | None:
+        """Each token row's adapter slot (0: none), the step's adapters made resident; None
+        when no item has an adapter."""
         if self.lora_slots is None:
             return None
         loras = [self.lora_of(item.request) for item in items]
@@ -268,7 +305,7 @@ class ModelRunner:
         token_slots = []
         for item, lora in zip(items, loras, strict=True):
             token_slots += [slot_of[id(lora)] if lora else 0] * len(item.token_ids)
-        return self.backend.lora_batch(self.lora_slots, token_slots)
+        return token_slots
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, tables: dict[Request, list[int]]) -> LaunchedStep:

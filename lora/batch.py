@@ -57,6 +57,10 @@ class LoRASlots:
         self.last_used = [0] * (max_loras + 1)
         self.clock = 0
         self.num_loads = 0
+        # Tensor parallelism: shard(module, a, b) -> this rank's (a, b) (engine.tensor_parallel
+        # .shard_lora), and `placed`, the slot changes the other ranks have not been sent yet.
+        self.shard = None
+        self.placed: list[tuple[int, LoRAAdapter | None]] | None = None
 
     @torch.inference_mode()
     def activate(self, adapters: list[LoRAAdapter]) -> dict[int, int]:
@@ -76,7 +80,7 @@ class LoRASlots:
                     if self.resident[s] is None or id(self.resident[s]) not in wanted
                 ]
                 slot = min(free, key=lambda s: (self.resident[s] is not None, self.last_used[s]))
-                self._write(slot, adapter)
+                self.place(slot, adapter)
             self.last_used[slot] = self.clock
             slot_of[id(adapter)] = slot
         return slot_of
@@ -85,8 +89,18 @@ class LoRASlots:
     def evict(self, adapter: LoRAAdapter) -> None:
         for s in range(1, self.max_loras + 1):
             if self.resident[s] is adapter:
-                self._clear(s)
-                self.resident[s] = None
+                self.place(s, None)
+
+    @torch.inference_mode()
+    def place(self, slot: int, adapter: LoRAAdapter | None) -> None:
+        """Put an adapter in a slot, or (None) empty it; every rank replays rank 0's places."""
+        if adapter is None:
+            self._clear(slot)
+            self.resident[slot] = None
+        else:
+            self._write(slot, adapter)
+        if self.placed is not None:
+            self.placed.append((slot, adapter))
 
     def _clear(self, slot: int) -> None:
         for key in self.a:
@@ -96,6 +110,8 @@ class LoRASlots:
     def _write(self, slot: int, adapter: LoRAAdapter) -> None:
         self._clear(slot)
         for (layer, proj), (a, b) in adapter.weights.items():
+            if self.shard is not None:
+                a, b = self.shard(proj, a, b)
             key = (layer, proj)
             if key not in self.a:
                 size_in, size_out = self.shapes[proj]

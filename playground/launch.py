@@ -51,6 +51,9 @@ def add_server_args(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="ranks the model is split over"
+    )
     parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda:N")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument(
@@ -95,6 +98,7 @@ def build_state(args: argparse.Namespace, adapters: dict[str, LoRARequest]) -> S
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         num_threads=args.threads,
+        tensor_parallel_size=args.tensor_parallel_size,
         enable_prefix_caching=not args.no_prefix_caching,
         device=args.device,
         enforce_eager=args.enforce_eager,

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+import httpx
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -13,7 +17,7 @@ from playground.async_engine import AsyncEngine
 from playground.launch import free_port
 from playground.server import ServerState
 
-__all__ = ["API_KEY", "make_state", "serving", "wait_idle"]
+__all__ = ["API_KEY", "command_line", "make_state", "serving", "wait_idle"]
 API_KEY = "test-key-123"
 
 
@@ -44,6 +48,32 @@ def serving(app, host: str = "127.0.0.1") -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+@contextmanager
+def command_line(command: str, model: str, *extra: str) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`tandem <command>` as a user starts it (a process on a free port, one thread, the test
+    API key): yields (its URL, the process) once /health answers 200; stopped after."""
+    port = free_port()
+    args = [sys.executable, "-m", "playground.cli", command, "--model", model]
+    args += ["--port", str(port), "--threads", "1", "--api-key", API_KEY, *extra]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.2)
+        yield url, proc
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 def wait_idle(engine, timeout: float = 15.0) -> dict:

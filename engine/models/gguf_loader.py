@@ -87,10 +87,15 @@ def layer_weights(w: GGUFWeights, cfg: ModelConfig, index: int) -> dict[str, Qua
 
 
 def load_gguf_weights(
-    model: LlamaForCausalLM, gguf_path: str | Path, device: torch.device, dtype: torch.dtype
+    model: LlamaForCausalLM,
+    gguf_path: str | Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    split=None,
 ) -> None:
     """Fill `model` (built from the same checkpoint's config) with the GGUF's weights:
-    projections, embedding and LM head quantized, the rest dense."""
+    projections, embedding and LM head quantized, the rest dense. split(name, weight[, bias]):
+    a tensor-parallel rank's share of each projection (engine.tensor_parallel.Split)."""
     cfg: ModelConfig = model.config
     if cfg.mlp_bias:
         raise ValueError("GGUF models with MLP biases are not supported")
@@ -106,8 +111,11 @@ def load_gguf_weights(
         put(layer.input_layernorm.weight, w.dense(p + "attn_norm.weight"))
         put(layer.post_attention_layernorm.weight, w.dense(p + "ffn_norm.weight"))
         if cfg.qkv_bias:
-            put(layer.qkv_proj.bias, torch.cat([w.dense(p + f"attn_{n}.bias") for n in "qkv"]))
+            bias = torch.cat([w.dense(p + f"attn_{n}.bias") for n in "qkv"])
+            bias = split("qkv_proj", bias) if split else bias
+            layer.qkv_proj.bias = torch.nn.Parameter(bias, requires_grad=False)
         for name, weight in layer_weights(w, cfg, i).items():
+            weight = split(name, weight) if split else weight
             getattr(layer, name).set_quantized(weight, device, dtype)
     embed = w.quantized("token_embd.weight")
     head = w.quantized("output.weight") if w.has("output.weight") else embed

@@ -140,14 +140,19 @@ class DecoderLayer(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
         self.sliding_window = cfg.sliding_window or 0
         self.fused: tuple | None = None  # fuse()'s arguments for kernels/cpu/decode_layer.cpp
+        # Tensor parallelism (engine.tensor_parallel): sums o_proj's and down_proj's partial
+        # products over the ranks, in place; None on one rank.
+        self.all_reduce = None
 
     def fuse(self) -> bool:
         """Run a step's short-query rows (decode, verification; steps without LoRA) as one C++
-        call: possible when every projection is on the tandem kernel (CPU) and the MLP has no
-        bias."""
+        call: possible when every projection is on the tandem kernel (CPU), the MLP has no
+        bias and the layer is whole."""
         linears = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
         layers = [m.quantized for m in linears]
-        if any(q is None or q.backend != "tandem" for q in layers) or layers[2].bias is not None:
+        whole = self.all_reduce is None  # a tensor-parallel layer sums between its halves
+        tandem = all(q is not None and q.backend == "tandem" for q in layers)
+        if not (whole and tandem) or layers[2].bias is not None:
             self.fused = None
             return False
         weights = [t for q in layers for t in (q.codes, q.scales, q.offsets)]
@@ -181,10 +186,13 @@ class DecoderLayer(nn.Module):
         k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         attn = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        x = x + self._project(self.o_proj, "o", attn.reshape(n, self.q_size), lora)
+        x = x + self._reduced(self._project(self.o_proj, "o", attn.reshape(n, self.q_size), lora))
         h = self.post_attention_layernorm(x)
         gate, up = self._project(self.gate_up_proj, "gate_up", h, lora).chunk(2, dim=-1)
-        return x + self._project(self.down_proj, "down", F.silu(gate) * up, lora)
+        return x + self._reduced(self._project(self.down_proj, "down", F.silu(gate) * up, lora))
+
+    def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial if self.all_reduce is None else self.all_reduce(partial)
 
     def _fused(self, x, cos, sin, kv_cache, d: DecodeBatch) -> torch.Tensor:  # x updated
         weights, bits, qkv_bias = self.fused

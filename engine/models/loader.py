@@ -145,6 +145,7 @@ def load_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     quantization: str | None = None,
+    group=None,
 ):
     """Returns (model, ModelConfig, hf_config). max_len bounds the RoPE table.
 
@@ -153,6 +154,8 @@ def load_model(
     linear weights to oneDNN's blocked layout (see `Linear.pack`); False keeps plain dense
     weights. int8: the draft models' int8 projections and LM head instead (lossy, see
     engine.models.quant), where the backend supports it. Both are CPU float32 layouts.
+    group: a tensor-parallel group (engine.tensor_parallel): the model is then this rank's
+    shard, split as the weights load, before they move or are packed.
     """
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -169,7 +172,14 @@ def load_model(
         source = gguf_file(path)
         if source is None:
             raise ValueError(f"model directory {str(path)!r} has no GGUF file")
-        load_gguf_weights(model, source, device, dtype)
+        split = None
+        if group is not None:
+            from engine.tensor_parallel import Split, shard_model
+
+            split = Split(cfg, group.rank, group.world)
+        load_gguf_weights(model, source, device, dtype, split)
+        if group is not None:
+            shard_model(model, group)  # (the projections came split)
         release_freed_memory()
         model = model.to(device=device, dtype=dtype)
         model.fuse_decode()
@@ -181,6 +191,10 @@ def load_model(
         raise ValueError(
             f"weights do not match the model: missing={missing} unexpected={unexpected}"
         )
+    if group is not None:
+        from engine.tensor_parallel import shard_model
+
+        shard_model(model, group)
     if device.type != "cpu" or dtype != torch.float32:
         # The RoPE tables go to dtype too, as HF casts cos/sin to the activations' dtype.
         model = model.to(device=device, dtype=dtype)
@@ -192,6 +206,7 @@ def load_model(
             model.quantize_int8()
         elif pack_weights and onednn_linear_available():
             model.pack_linear_weights()
+    release_freed_memory()  # the checkpoint's copies, the unpacked or unsplit weights
     return model, cfg, hf_config
 
 
@@ -214,29 +229,45 @@ class EngineModels:
     draft: tuple[LlamaForCausalLM, ModelConfig] | None  # with spec_method="draft"
     tokenizer: PreTrainedTokenizerBase
     eos_token_ids: set[int]  # the generation config's and the tokenizer's
+    shard_cfg: ModelConfig  # the shape of this rank's shard of the target (cfg on one rank)
 
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        """The draft model's KV lives in the same blocks as the target's: both count."""
-        cfgs = [self.cfg] + ([self.draft[1]] if self.draft else [])
+        """This process's bytes per block: the draft model's KV (on rank 0 only, whole) lives
+        in the same blocks as the target's share."""
+        cfgs = [self.shard_cfg] + ([self.draft[1]] if self.draft else [])
         element_bytes = torch.empty((), dtype=dtype).element_size()
         return sum(c.kv_bytes_per_block(block_size, element_bytes) for c in cfgs)
 
 
-def load_engine_models(config: EngineConfig) -> EngineModels:
-    """The target model and, with spec_method="draft", the draft model, as the config says.
-    draft_model="self" drafts with the target's own quantized copy, so the target itself then
-    loads exact (dense)."""
+def load_target(config: EngineConfig, group=None) -> tuple[LlamaForCausalLM, ModelConfig, Path]:
+    """The target model as the config says (with a tensor-parallel group: this rank's shard),
+    and its directory. draft_model="self" drafts with the target's own quantized copy, so the
+    target itself then loads exact (dense)."""
     device, dtype = config.torch_device, config.torch_dtype
-    self_draft = config.draft_model == "self"
-    quantization = None if self_draft else config.quantization
+    quantization = None if config.draft_model == "self" else config.quantization
     path = resolve_model(config.model, dense=needs_dense(quantization, device))
-    model, cfg, _ = load_model(path, device=device, dtype=dtype, quantization=quantization)
+    model, cfg, _ = load_model(
+        path, device=device, dtype=dtype, quantization=quantization, group=group
+    )
+    return model, cfg, path
+
+
+def load_engine_models(config: EngineConfig, group=None) -> EngineModels:
+    """The target model (with a tensor-parallel group, rank 0's shard) and, with
+    spec_method="draft", the draft model (whole, on rank 0), as the config says."""
+    device, dtype = config.torch_device, config.torch_dtype
+    model, cfg, path = load_target(config, group)
+    shard_cfg = cfg
+    if group is not None:
+        from engine.tensor_parallel import local_config
+
+        shard_cfg = local_config(cfg, group.world)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     eos = read_generation_eos(path) | {tokenizer.eos_token_id} - {None}
     if config.spec_method != "draft":
-        return EngineModels(path, model, cfg, None, tokenizer, eos)
+        return EngineModels(path, model, cfg, None, tokenizer, eos, shard_cfg)
     dense = needs_dense(config.draft_quantization, device)
-    draft_path = path if self_draft else resolve_model(config.draft_model, dense)
+    draft_path = path if config.draft_model == "self" else resolve_model(config.draft_model, dense)
     draft_model, draft_cfg, _ = load_model(
         draft_path,
         device=device,
@@ -248,4 +279,4 @@ def load_engine_models(config: EngineConfig) -> EngineModels:
             f"draft_model vocabulary ({draft_cfg.vocab_size}) differs from the target's "
             f"({cfg.vocab_size}); the two models must share a tokenizer"
         )
-    return EngineModels(path, model, cfg, (draft_model, draft_cfg), tokenizer, eos)
+    return EngineModels(path, model, cfg, (draft_model, draft_cfg), tokenizer, eos, shard_cfg)

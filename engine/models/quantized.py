@@ -79,6 +79,18 @@ class QuantizedWeight:
         """The same weight in 8-bit codes, to share a matrix with 8-bit rows."""
         return QuantizedWeight(self.codes, self.scales, self.offsets, 8)
 
+    def columns(self, start: int, end: int) -> QuantizedWeight:
+        """Inputs [start, end) of every row (whole groups: both multiples of GROUP)."""
+        if start % GROUP or end % GROUP:
+            raise ValueError(f"columns {start}:{end} split a group of {GROUP} inputs")
+        groups = slice(start // GROUP, end // GROUP)
+        return QuantizedWeight(
+            self.codes[:, start:end].contiguous(),
+            self.scales[:, groups].contiguous(),
+            self.offsets[:, groups].contiguous(),
+            self.bits,
+        )
+
     @staticmethod
     def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
         """Stack output rows (fused q/k/v, gate/up); mixed widths widen to 8 bits."""

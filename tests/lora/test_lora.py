@@ -108,14 +108,14 @@ def test_slot_pressure_two_slots_four_adapters(tiny_llama, adapters, hf_referenc
         lora = LoRARequest(name, str(adapters[name])) if name else None
         engine.add_request(f"r{i}", prompt, params, lora_request=lora)
     seen_max, outs = 0, {}
-    original = engine.runner._lora_batch
+    original = engine.runner._token_slots
 
     def spy(items):
         nonlocal seen_max
         seen_max = max(seen_max, len({id(it.request.lora) for it in items if it.request.lora}))
         return original(items)
 
-    engine.runner._lora_batch = spy
+    engine.runner._token_slots = spy
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:

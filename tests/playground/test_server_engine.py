@@ -9,7 +9,7 @@ import json
 import httpx
 import openai
 import pytest
-from web import API_KEY, make_state, serving, wait_idle
+from web import API_KEY, command_line, make_state, serving, wait_idle
 
 from engine import LLM, SamplingParams
 from lora.adapter import LoRARequest
@@ -157,28 +157,7 @@ def test_draft_model_server_is_lossless(tiny_draft, tiny_llama):
 @pytest.mark.parametrize("command", ["serve", "playground"])
 def test_command_line_starts_and_answers(tiny_llama, command):
     """`tandem serve` / `tandem playground` as a user starts them: a process on a free port."""
-    import subprocess
-    import sys
-    import time
-
-    from playground.launch import free_port
-
-    port = free_port()
-    args = [sys.executable, "-m", "playground.cli", command, "--model", str(tiny_llama)]
-    args += ["--port", str(port), "--threads", "1", "--api-key", API_KEY]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
+    with command_line(command, str(tiny_llama)) as (url, _):
         client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
         models = [m.id for m in client.models.list().data]
         assert models[0] == str(tiny_llama)
@@ -187,6 +166,3 @@ def test_command_line_starts_and_answers(tiny_llama, command):
             assert models[1:] == ["demo-lora-a", "demo-lora-b"]
         r = client.completions.create(model=models[-1], prompt="abc", max_tokens=4)
         assert r.usage.completion_tokens == 4
-    finally:
-        proc.terminate()
-        proc.wait(30)

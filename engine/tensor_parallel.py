@@ -1,0 +1,285 @@
+"""Tensor parallelism on torch.distributed: the target model's attention heads and MLP split
+across ranks, each rank a process holding its heads' share of every KV block.
+
+Megatron's split of a decoder layer over N ranks: the QKV and gate/up projections are split by
+output (rank r keeps query heads [r H/N, (r+1) H/N), the matching KV heads, and columns
+[r I/N, (r+1) I/N) of the MLP), so attention and the activation run on local heads and columns
+with no communication; o_proj and down_proj are split by input, so each rank's product is a
+partial sum of the layer's output, and one all-reduce per projection (two per layer) makes it
+whole on every rank. Embedding, norms and LM head are replicated: after the last layer every
+rank holds the same hidden states, and rank 0 computes the logits alone. Quantized weights split
+the same way by whole groups of 32 inputs (`Split`), and a LoRA update x A B with its layer
+(`shard_lora`).
+
+Rank 0 is the engine's own process: it schedules, owns the block tables (one set for every
+rank: a block id names the same positions in each rank's share of the cache) and samples.
+Ranks 1..N-1 are worker processes (`engine.tensor_parallel.worker`) that load the same
+checkpoint, keep their shard, and then follow rank 0: before each forward rank 0 broadcasts the
+step's flat inputs (token ids, positions, block tables; each rank builds its attention metadata
+from them) with the adapter slots that changed since the last, and before each copy-on-write
+its block copies. A worker that dies breaks the group: rank 0's next collective raises (gloo
+reports the closed connection at once), so the step fails and the engine stops instead of
+waiting.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import weakref
+from contextlib import suppress
+from dataclasses import replace
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engine.models.config import ModelConfig
+
+TIMEOUT = datetime.timedelta(seconds=120)  # a collective (and the start) waits no longer
+
+
+class Group:
+    """One gloo process group of its own (not torch.distributed's default group, so several
+    engines can live in one process): all-reduce and broadcast of Python objects from rank 0."""
+
+    def __init__(self, store: dist.Store, rank: int, world: int):
+        self.rank, self.world = rank, world
+        self.pg = dist.ProcessGroupGloo(store, rank, world, TIMEOUT)
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:  # in place, summed
+        self.pg.allreduce([tensor]).wait()
+        return tensor
+
+    def broadcast(self, obj: object = None) -> object:
+        """Rank 0's obj on every rank (what others pass is ignored)."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        data = pickle.dumps(obj) if self.rank == 0 else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        self.pg.broadcast([size], opts).wait()
+        if self.rank == 0:
+            buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        else:
+            buffer = torch.empty(int(size), dtype=torch.uint8)
+        self.pg.broadcast([buffer], opts).wait()
+        return obj if self.rank == 0 else pickle.loads(buffer.numpy().tobytes())
+
+
+def local_config(cfg: ModelConfig, world: int) -> ModelConfig:
+    """The shape one rank's shard has: its heads and MLP columns (what its KV cache holds)."""
+    for name, value in (
+        ("attention heads", cfg.num_heads),
+        ("KV heads", cfg.num_kv_heads),
+        ("MLP columns", cfg.intermediate_size),
+    ):
+        if value % world:
+            raise ValueError(
+                f"tensor_parallel_size={world} must divide the model's {name} ({value})"
+            )
+    return replace(
+        cfg,
+        num_heads=cfg.num_heads // world,
+        num_kv_heads=cfg.num_kv_heads // world,
+        intermediate_size=cfg.intermediate_size // world,
+    )
+
+
+class Split:
+    """One rank's share of each projection's weight and bias, dense or quantized."""
+
+    ROW_SPLIT = ("o_proj", "down_proj")  # split by input; the others by output
+
+    def __init__(self, cfg: ModelConfig, rank: int, world: int):
+        self.rank, self.world = rank, world
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        parts = {"qkv_proj": [q, kv, kv], "gate_up_proj": [cfg.intermediate_size] * 2}
+        # output rows kept: the rank's share of each part (its heads of Q, of K, of V; its
+        # columns of gate and of up)
+        self.rows = {name: self._rows(sizes) for name, sizes in parts.items()}
+
+    def _rows(self, sizes: list[int]) -> torch.Tensor:
+        parts = torch.arange(sum(sizes)).split(sizes)
+        return torch.cat([part.chunk(self.world)[self.rank] for part in parts])
+
+    def __call__(self, name: str, weight, bias: bool = False):
+        """weight: a dense [out, in] tensor, a QuantizedWeight, or (bias) an [out] tensor."""
+        if name not in self.ROW_SPLIT:
+            rows = self.rows[name]
+            return weight.rows(rows) if hasattr(weight, "rows") else weight[rows].contiguous()
+        if bias:  # the all-reduce sums the ranks' partial products: rank 0's adds the bias
+            return weight if self.rank == 0 else torch.zeros_like(weight)
+        k = weight.in_features if hasattr(weight, "columns") else weight.shape[1]
+        start, end = self.rank * k // self.world, (self.rank + 1) * k // self.world
+        if hasattr(weight, "columns"):
+            return weight.columns(start, end)
+        return weight[:, start:end].contiguous()
+
+
+def shard_model(model: nn.Module, group: Group) -> None:
+    """Make `model` rank `group.rank`'s shard in place: a dense model's projections (loaded
+    unpacked) split here, a GGUF's split as they load (engine.models.gguf_loader, `split`);
+    every layer then attends with its own heads and all-reduces its two row-split products."""
+    cfg, local = model.config, local_config(model.config, group.world)
+    split = Split(cfg, group.rank, group.world)
+    for layer in model.layers:
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            linear = getattr(layer, name)
+            if linear.weight is not None:  # dense
+                linear.weight = nn.Parameter(split(name, linear.weight), requires_grad=False)
+                if linear.bias is not None:
+                    bias = split(name, linear.bias, bias=True)
+                    linear.bias = nn.Parameter(bias, requires_grad=False)
+        layer.num_heads, layer.num_kv_heads = local.num_heads, local.num_kv_heads
+        layer.q_size = local.num_heads * cfg.head_dim
+        layer.kv_size = local.num_kv_heads * cfg.head_dim
+        layer.all_reduce = group.all_reduce
+
+
+def shard_lora(
+    module: str, a: torch.Tensor, b: torch.Tensor, rank: int, world: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rank's share of one module's LoRA update x A B (A [in, r], B [r, out]), split as the
+    module is: a column-split module keeps its output columns of B; a row-split one (o_proj,
+    down_proj) its input rows of A, so x_r A_r B is this rank's partial sum of x A B, and the
+    all-reduce that completes the base projection completes the update with it."""
+    if module in ("o_proj", "down_proj"):
+        return a.chunk(world, 0)[rank].contiguous(), b
+    return a, b.chunk(world, 1)[rank].contiguous()
+
+
+def split_slots(slots, rank: int, world: int) -> None:
+    """Adapter slots (built for the rank's shard) that keep the rank's shard of every adapter
+    placed in them, and (rank 0) remember the placements for the other ranks."""
+    slots.shard = partial(shard_lora, rank=rank, world=world)
+    slots.placed = []
+
+
+class Workers:
+    """Ranks 1..N-1 as processes, started with the engine and following rank 0 (this process);
+    stopped by close(), when the engine is collected, or at exit."""
+
+    @classmethod
+    def start(cls, config) -> Workers | None:
+        return cls(config) if config.tensor_parallel_size > 1 else None
+
+    def __init__(self, config):
+        from engine.models.registry import resolve_model
+
+        world = config.tensor_parallel_size
+        resolve_model(config.model, dense=True)  # converted once, before the ranks read it
+        store = dist.TCPStore(
+            "127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=TIMEOUT
+        )
+        # each worker's output, read back when it dies; closed by close()
+        self._logs = [tempfile.TemporaryFile() for _ in range(1, world)]  # noqa: SIM115
+        self.procs = []
+        # the workers import the code this process runs (a checkout's, not an installed copy)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        for rank, log in enumerate(self._logs, start=1):
+            main = f"from engine.tensor_parallel import worker; worker({store.port}, {rank})"
+            argv = [sys.executable, "-c", main]
+            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=log, stderr=log, env=env)
+            proc.stdin.write(pickle.dumps((config, world)))
+            proc.stdin.close()
+            self.procs.append(proc)
+        joined: list[Group] = []  # (the finalizer must not hold self)
+        self.close = weakref.finalize(self, _stop, self.procs, self._logs, joined)
+        self.group = self._checked(lambda: Group(store, 0, world))
+        joined.append(self.group)
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(self, kind, *_) -> None:
+        if kind is not None:  # the ranks fail as this one did (a load): none is left behind
+            self.close()
+
+    def attach(self, runner, num_blocks: int) -> None:
+        """Every rank has loaded its shard: size their KV caches, and have rank 0's runner tell
+        them of each forward and block copy (and its adapter slots keep rank 0's shard)."""
+        self._checked(lambda: self.group.broadcast(("start", num_blocks)))
+        runner.workers = self
+        if runner.lora_slots is not None:
+            split_slots(runner.lora_slots, 0, self.group.world)
+
+    def forward(self, flat, placed: list, token_slots: list[int] | None) -> None:
+        """A forward of these flat inputs, after these adapter slot changes (LoRASlots.placed),
+        with these rows' adapter slots (None: no adapter in the step)."""
+        self._checked(lambda: self.group.broadcast(("forward", flat, placed, token_slots)))
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        self._checked(lambda: self.group.broadcast(("copy", copies)))
+
+    def _checked(self, collective):
+        """collective(), or, when a worker has died, an error carrying its last output."""
+        try:
+            return collective()
+        except Exception as exc:
+            dead = [(i, p) for i, p in enumerate(self.procs) if p.poll() is not None]
+            if not dead:
+                raise
+            i, proc = dead[0]
+            self._logs[i].seek(0)
+            tail = self._logs[i].read().decode(errors="replace")[-2000:]
+            raise RuntimeError(
+                f"tensor-parallel worker {i + 1} exited ({proc.returncode}): {tail}"
+            ) from exc
+
+
+def _stop(procs: list[subprocess.Popen], logs: list, joined: list[Group]) -> None:
+    """Tell the workers to stop (a broken group: they are gone or going), then make sure."""
+    if joined and any(p.poll() is None for p in procs):
+        with suppress(Exception):
+            joined[0].broadcast(("stop",))
+    for proc in procs:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    for log in logs:
+        log.close()
+
+
+@torch.inference_mode()
+def worker(port: int, rank: int) -> None:
+    """One rank > 0: load the shard, then do what rank 0 broadcasts until it says stop."""
+    from engine.backends import resolve_backend
+    from engine.model_runner import ModelRunner
+    from engine.models.loader import load_target
+
+    config, world = pickle.loads(sys.stdin.buffer.read())
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    torch.set_flush_denormal(True)  # as rank 0 (LLMEngine) computes
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=TIMEOUT)
+    group = Group(store, rank, world)
+    model, cfg, _ = load_target(config, group)
+    _, num_blocks = group.broadcast()
+    backend = resolve_backend(config.attention_backend, cfg.sliding_window, config.torch_device)
+    runner = ModelRunner(model, local_config(cfg, world), num_blocks, config.block_size, backend)
+    slots = None
+    if config.enable_lora:
+        from lora.batch import LoRASlots
+
+        shape = (runner.cfg, config.max_loras, config.max_lora_rank, runner.device, runner.dtype)
+        slots = LoRASlots(*shape)
+        split_slots(slots, rank, world)
+    while True:
+        message = group.broadcast()
+        if message[0] == "stop":
+            return
+        if message[0] == "copy":
+            runner.copy_blocks(message[1])
+            continue
+        flat, placed, token_slots = message[1:]
+        for slot, adapter in placed:
+            slots.place(slot, adapter)
+        lora = token_slots and backend.lora_batch(slots, token_slots)
+        runner.forward_flat(flat, lora)
