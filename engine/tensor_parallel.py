@@ -180,7 +180,8 @@ class Workers:
         self._logs = [tempfile.TemporaryFile() for _ in range(1, world)]  # noqa: SIM115
         self.procs = []
         # the workers import the code this process runs (a checkout's, not an installed copy)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        path = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
         for rank, log in enumerate(self._logs, start=1):
             main = f"from engine.tensor_parallel import worker; worker({store.port}, {rank})"
             argv = [sys.executable, "-c", main]
