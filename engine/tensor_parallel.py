@@ -157,7 +157,7 @@ def split_slots(slots, rank: int, world: int) -> None:
     """Adapter slots (built for the rank's shard) that keep the rank's shard of every adapter
     placed in them, and (rank 0) remember the placements for the other ranks."""
     slots.shard = partial(shard_lora, rank=rank, world=world)
-    slots.placed = []
+    slots.placed = [] if rank == 0 else None
 
 
 class Workers:
