@@ -169,10 +169,10 @@ class Workers:
         return cls(config) if config.tensor_parallel_size > 1 else None
 
     def __init__(self, config):
-        from engine.models.registry import resolve_model
+        from engine.models.loader import target_path
 
         world = config.tensor_parallel_size
-        resolve_model(config.model, dense=True)  # converted once, before the ranks read it
+        target_path(config)  # converted once, before the ranks read it
         store = dist.TCPStore(
             "127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=TIMEOUT
         )

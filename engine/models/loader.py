@@ -244,12 +244,23 @@ def load_target(config: EngineConfig, group=None) -> tuple[LlamaForCausalLM, Mod
     and its directory. draft_model="self" drafts with the target's own quantized copy, so the
     target itself then loads exact (dense)."""
     device, dtype = config.torch_device, config.torch_dtype
-    quantization = None if config.draft_model == "self" else config.quantization
-    path = resolve_model(config.model, dense=needs_dense(quantization, device))
+    quantization = target_quantization(config)
+    path = target_path(config)
     model, cfg, _ = load_model(
         path, device=device, dtype=dtype, quantization=quantization, group=group
     )
     return model, cfg, path
+
+
+def target_quantization(config: EngineConfig) -> str | None:
+    return None if config.draft_model == "self" else config.quantization
+
+
+def target_path(config: EngineConfig) -> Path:
+    """The target's directory, converted (once) to what its load reads: a dense checkpoint
+    only when the load needs one."""
+    dense = needs_dense(target_quantization(config), config.torch_device)
+    return resolve_model(config.model, dense=dense)
 
 
 def load_engine_models(config: EngineConfig, group=None) -> EngineModels:

@@ -257,6 +257,19 @@ def break_zero_points(model) -> None:
             layer.params[..., 1] += layer.params[..., 0]  # [G, N, 2]: scale, zero
 
 
+def assert_rule_holds_then_breaks(llm, ids: list[int], reference, num_positions: int) -> None:
+    """llm's scores over ids meet the quality rule against reference's; with every zero point
+    of its (rank 0's) model moved by one step they fail it."""
+    from bench.quality import compare, teacher_forced
+
+    report = compare(reference, teacher_forced(llm, ids))
+    assert report.num_positions == num_positions
+    assert report.passes, str(report)
+    break_zero_points(llm.engine.runner.model)
+    broken = compare(reference, teacher_forced(llm, ids))
+    assert not broken.passes, str(broken)
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS[:2])
 def test_native_gguf_meets_the_quality_rule_and_a_broken_zero_point_does_not(
     backend, reference_scores, monkeypatch
@@ -264,20 +277,13 @@ def test_native_gguf_meets_the_quality_rule_and_a_broken_zero_point_does_not(
     """Perplexity within 1% and top-1 agreement >= 95% over 2303 positions of real text, against
     the fp32 dequantized reference; the same weights with every zero point moved by one step
     (the error a wrong GGUF offset makes) fail the same rule."""
-    from bench.quality import compare, teacher_forced
-
     monkeypatch.setenv("TANDEM_QUANT_KERNEL", backend)
     ids, ref = reference_scores
     llm = LLM(SMOLLM2, num_kv_blocks=400, enable_prefix_caching=False)  # quantization "auto"
     model = llm.engine.runner.model
     assert model.layers[0].qkv_proj.quantized.backend == backend
     assert model.lm_head_quantized.backend == backend
-    report = compare(ref, teacher_forced(llm, ids))
-    assert report.num_positions == 2303
-    assert report.passes, str(report)
-    break_zero_points(model)
-    broken = compare(ref, teacher_forced(llm, ids))
-    assert not broken.passes, str(broken)
+    assert_rule_holds_then_breaks(llm, ids, ref, 2303)
 
 
 @pytest.mark.skipif(not tandem_kernel_available(), reason="no C++ kernel")

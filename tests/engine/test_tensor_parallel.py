@@ -226,20 +226,14 @@ def test_gguf_split_three_ways_meets_the_quality_rule_and_a_broken_shard_does_no
     of real text it meets the quantized weights' rule (perplexity within 1%, top-1 agreement
     >= 95%) against the exact fp32 model on one rank; with rank 0's zero points moved one step
     (a shard loaded wrong) it fails the same rule."""
-    from test_quantized import break_zero_points
+    from test_quantized import assert_rule_holds_then_breaks
 
-    from bench.quality import compare, held_tokens, teacher_forced
+    from bench.quality import held_tokens, teacher_forced
 
     exact = LLM("smollm2-135m-instruct", quantization=None, num_threads=1, num_kv_blocks=200)
     ids = held_tokens(exact.tokenizer, 1024)
     reference = teacher_forced(exact, ids)
     llm = LLM("smollm2-135m-instruct", num_threads=1, num_kv_blocks=200, tensor_parallel_size=3)
-    model = llm.engine.runner.model
-    assert model.layers[0].o_proj.quantized.in_features == 192  # of 576
-    report = compare(reference, teacher_forced(llm, ids))
-    assert report.num_positions == 1023
-    assert report.passes, str(report)
-    break_zero_points(model)
-    broken = compare(reference, teacher_forced(llm, ids))
-    assert not broken.passes, str(broken)
+    assert llm.engine.runner.model.layers[0].o_proj.quantized.in_features == 192  # of 576
+    assert_rule_holds_then_breaks(llm, ids, reference, 1023)
     llm.engine.workers.close()
