@@ -29,6 +29,14 @@ $(CHROMIUM_STAMP):
 	# marked done only once chromium is there (a failed install is tried again next time)
 	if command -v chromium >/dev/null; then touch $@; fi
 
+# Ray Serve for data-parallel replicas (the [distributed] extra): `make test` installs it so the
+# replica tests run; `make run` does not need it.
+DIST_STAMP := $(VENV)/.distributed-installed
+$(DIST_STAMP): $(STAMP)
+	$(BIN)/pip install -q "ray[serve]==2.60.0"
+	$(BIN)/pip install -q -e ".[distributed]"
+	touch $@
+
 # The pytest-benchmark suite (bench/suite, never collected by `make test`). Every run is saved
 # under .benchmarks/ and charted per group in bench/charts/ (SVG, pygal: pytest-benchmark's
 # histogram extra, installed here only). `make bench QUICK=1`: the quick subset (< 10 minutes on
@@ -42,8 +50,9 @@ $(BENCH_STAMP): $(STAMP)
 	$(BIN)/pip install -q pygal==3.0.5 pygaljs==1.0.2
 	touch $@
 
-.PHONY: install run generate test lint bench bench-compare
+.PHONY: install distributed run generate test lint bench bench-compare
 install: $(STAMP)
+distributed: $(DIST_STAMP)
 
 run: $(STAMP)
 	$(BIN)/tandem playground
@@ -51,7 +60,7 @@ run: $(STAMP)
 generate: $(STAMP)
 	$(BIN)/tandem generate --chat --prompt "$(PROMPT)"
 
-test: $(STAMP) $(CHROMIUM_STAMP)
+test: $(STAMP) $(CHROMIUM_STAMP) $(DIST_STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 bench: $(BENCH_STAMP)

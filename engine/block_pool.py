@@ -29,6 +29,19 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_keys: bytes
     return h.digest()
 
 
+def extend_block_hashes(
+    hashes: list[bytes], token_ids: Sequence[int], block_size: int, extra_keys: bytes = b""
+) -> list[bytes]:
+    """Append to `hashes` (the chain of the first len(hashes) blocks) the chained hash of every
+    further full block of `token_ids`. The engine's requests and the replica router both hash
+    through here, so a router's match is the cache's own key."""
+    while (len(hashes) + 1) * block_size <= len(token_ids):
+        i = len(hashes)
+        tokens = token_ids[i * block_size : (i + 1) * block_size]
+        hashes.append(hash_block(hashes[-1] if hashes else None, tokens, extra_keys))
+    return hashes
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True):
         if num_blocks < 2:

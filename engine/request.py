@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.block_pool import hash_block
+from engine.block_pool import extend_block_hashes
 from engine.errors import RequestError
 from engine.sampling_params import SamplingParams
 from engine.spec_stats import SpecStats
@@ -165,10 +165,6 @@ class Request(TokenHistory):
 
     def full_block_hashes(self) -> list[bytes]:
         """Chained hashes of every full block of tokens, extended incrementally."""
-        bs = self.block_size
-        while (len(self.block_hashes) + 1) * bs <= len(self.token_ids):
-            i = len(self.block_hashes)
-            parent = self.block_hashes[-1] if self.block_hashes else None
-            tokens = self.token_ids[i * bs : (i + 1) * bs]
-            self.block_hashes.append(hash_block(parent, tokens, self.cache_extra_keys))
-        return self.block_hashes
+        return extend_block_hashes(
+            self.block_hashes, self.token_ids, self.block_size, self.cache_extra_keys
+        )

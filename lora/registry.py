@@ -41,6 +41,10 @@ class AdapterRegistry:
     def __iter__(self) -> Iterator[str]:
         return iter(self._loaded)
 
+    def cache_keys(self) -> dict[str, bytes]:
+        """Loaded adapters' prefix-cache keys by name (what a replica router matches with)."""
+        return {name: adapter.cache_key for name, adapter in self._loaded.items()}
+
     def load(self, lora_request: LoRARequest) -> LoRAAdapter:
         """The adapter a request names, loaded now or found loaded. Loading a name again from
         another path replaces it."""

@@ -311,6 +311,10 @@ class AsyncEngine:
         snap["tokens_per_second"] = self.tokens_per_second()
         return snap
 
+    def snapshots(self) -> dict[str, dict]:
+        """Snapshots by replica ("": this one engine; Replicas gives one per replica)."""
+        return {"": self.snapshot()}
+
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopped

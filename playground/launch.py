@@ -54,6 +54,18 @@ def add_server_args(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="ranks the model is split over"
     )
+    parser.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engine replicas on Ray Serve behind this server (needs the [distributed] extra)",
+    )
+    parser.add_argument(
+        "--router",
+        choices=["prefix", "round_robin"],
+        default="prefix",
+        help="how requests pick a replica: longest cached prefix, or in turn",
+    )
     parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda:N")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument(
@@ -77,13 +89,10 @@ def parse_loras(specs: list[str]) -> dict[str, LoRARequest]:
     return adapters
 
 
-def build_state(args: argparse.Namespace, adapters: dict[str, LoRARequest]) -> ServerState:
+def engine_config(args: argparse.Namespace, adapters: dict[str, LoRARequest]):
     from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from playground.async_engine import AsyncEngine
-    from playground.server import ServerState
 
-    config = EngineConfig(
+    return EngineConfig(
         model=args.model,
         quantization=None if args.quantization == "none" else args.quantization,
         draft_model=args.draft_model,
@@ -104,18 +113,45 @@ def build_state(args: argparse.Namespace, adapters: dict[str, LoRARequest]) -> S
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
     )
-    engine = LLMEngine(config)
-    for adapter in adapters.values():  # load now: a bad adapter fails at start, not per request
-        engine.load_lora(adapter)
+
+
+def build_state(args: argparse.Namespace, adapters: dict[str, LoRARequest]) -> ServerState:
+    from playground.server import ServerState
+
+    config = engine_config(args, adapters)
+    if args.data_parallel_size != 1:
+        engine = _replicas(args, config, adapters)
+    else:
+        from engine.llm_engine import LLMEngine
+        from playground.async_engine import AsyncEngine
+
+        llm = LLMEngine(config)
+        for adapter in adapters.values():  # load now: a bad adapter fails at start, not later
+            llm.load_lora(adapter)
+        engine = AsyncEngine(llm)
     limits = {"max_body_bytes": args.max_body_bytes} if args.max_body_bytes else {}
     return ServerState(
-        AsyncEngine(engine),
+        engine,
         args.served_model_name or args.model,
         adapters,
         api_key=args.api_key,
         lora_dir=Path(args.lora_dir) if args.lora_dir else None,
         **limits,
     )
+
+
+def _replicas(args: argparse.Namespace, config, adapters: dict[str, LoRARequest]):
+    """--data-parallel-size N: N engines on Ray Serve (playground/replicas.py)."""
+    n = args.data_parallel_size
+    if not isinstance(n, int) or n < 1:
+        raise SystemExit(f"--data-parallel-size must be >= 1, got {n!r}")
+    try:
+        from playground.replicas import Replicas
+    except ImportError as exc:
+        raise SystemExit(
+            f"--data-parallel-size needs Ray Serve: pip install -e '.[distributed]' ({exc})"
+        ) from None
+    return Replicas.start(config, n, list(adapters.values()), policy=args.router)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -151,6 +187,8 @@ def serve_main(args: argparse.Namespace) -> int:
 
 
 def playground_main(args: argparse.Namespace) -> int:
+    if args.data_parallel_size != 1:
+        raise SystemExit("the playground draws one engine; run replicas with `tandem serve`")
     adapters = parse_loras(args.lora)
     if not adapters and not args.no_demo_adapters:
         from playground.demo_adapters import write_demo_adapters

@@ -100,42 +100,83 @@ class ServerMetrics(OutputObserver):
 
 
 class _EngineCollector:
+    """One engine's gauges and counters; with replicas (Replicas.snapshots), each sample
+    labelled by replica plus replica="all": additive ones summed, the hit rate and KV usage
+    recomputed from the sums."""
+
     def __init__(self, engine: AsyncEngine):
         self.engine = engine
 
     def collect(self):
-        snap = self.engine.snapshot()
-        for family, table in ((GaugeMetricFamily, _GAUGES), (CounterMetricFamily, _COUNTERS)):
-            for name, doc, keys in table:
-                value = snap
-                for key in keys.split("."):
-                    value = value[key]
-                yield family(f"tandem_{name}", doc, value=value)
-        total, used = snap["num_blocks"], snap["num_used_blocks"]
-        yield GaugeMetricFamily(
-            "tandem_kv_cache_usage_ratio",
-            "Fraction of KV blocks held by requests",
-            value=used / total if total else 0.0,
-        )
-        cached = snap["num_cached_free_blocks"]
-        free = snap["num_free_blocks"] - cached
-        by_state = {"used": used, "cached": cached, "free": free}
-        yield _labelled(GaugeMetricFamily, "kv_blocks", "KV blocks by state", "state", by_state)
-        spec = snap["speculation"]
-        for name, verb, key in (
-            ("draft", "verified", "drafted_at"),
-            ("accepted", "accepted", "accepted_at"),
-        ):
-            doc = f"Draft tokens {verb}, by draft position"
-            by_position = dict(enumerate(spec[key]))
-            yield _labelled(
-                CounterMetricFamily, f"spec_{name}_tokens", doc, "position", by_position
-            )
+        snaps = self.engine.snapshots()  # {"": snapshot} for one engine
+        families: dict[str, tuple] = {}  # name -> (family class, doc, label names, samples)
+        for replica, snap in snaps.items():
+            for family, name, doc, labels, value in _samples(snap):
+                names = ["replica", *labels] if replica else list(labels)
+                samples = families.setdefault(name, (family, doc, names, []))[3]
+                if value is not None:
+                    samples.append(({"replica": replica, **labels} if replica else labels, value))
+        if any(snaps):
+            _add_totals(families, snaps)
+        for name, (family, doc, names, samples) in families.items():
+            metric = family(f"tandem_{name}", doc, labels=names)
+            for labels, value in samples:
+                metric.add_metric(list(labels.values()), value)
+            yield metric
 
 
-def _labelled(family, name: str, doc: str, label: str, values: dict):
-    """A metric family with one sample per `label` value."""
-    metric = family(f"tandem_{name}", doc, labels=[label])
-    for key, value in values.items():
-        metric.add_metric([str(key)], value)
-    return metric
+# Summed over replicas as replica="all" (ratios are recomputed, not summed).
+_ADDITIVE = {name for name, _, _ in _COUNTERS} | {
+    "num_requests_running",
+    "num_requests_waiting",
+    "grammar_matchers",
+    "generation_tokens_per_second",
+    "kv_blocks",
+    "spec_draft_tokens",
+    "spec_accepted_tokens",
+}
+
+
+def _samples(snap: dict):
+    """(family class, name, doc, labels, value) of every sample one snapshot gives."""
+    for family, table in ((GaugeMetricFamily, _GAUGES), (CounterMetricFamily, _COUNTERS)):
+        for name, doc, keys in table:
+            value = snap
+            for key in keys.split("."):
+                value = value[key]
+            yield family, name, doc, {}, value
+    total, used = snap["num_blocks"], snap["num_used_blocks"]
+    doc = "Fraction of KV blocks held by requests"
+    yield GaugeMetricFamily, "kv_cache_usage_ratio", doc, {}, used / total if total else 0.0
+    cached = snap["num_cached_free_blocks"]
+    free = snap["num_free_blocks"] - cached
+    for state, n in {"used": used, "cached": cached, "free": free}.items():
+        yield GaugeMetricFamily, "kv_blocks", "KV blocks by state", {"state": state}, n
+    spec = snap["speculation"]
+    for name, verb, key in (
+        ("draft", "verified", "drafted_at"),
+        ("accepted", "accepted", "accepted_at"),
+    ):
+        doc = f"Draft tokens {verb}, by draft position"
+        yield CounterMetricFamily, f"spec_{name}_tokens", doc, {"position": ""}, None  # declared
+        for position, n in enumerate(spec[key]):
+            labels = {"position": str(position)}
+            yield CounterMetricFamily, f"spec_{name}_tokens", doc, labels, n
+
+
+def _add_totals(families: dict[str, tuple], snaps: dict[str, dict]) -> None:
+    for name in _ADDITIVE & families.keys():
+        totals: dict[tuple, float] = {}
+        for labels, value in families[name][3]:
+            rest = tuple((k, v) for k, v in labels.items() if k != "replica")
+            totals[rest] = totals.get(rest, 0) + value
+        families[name][3].extend(({"replica": "all", **dict(k)}, v) for k, v in totals.items())
+    queries = sum(s["prefix_cache"]["query_tokens"] for s in snaps.values())
+    hits = sum(s["prefix_cache"]["hit_tokens"] for s in snaps.values())
+    blocks = sum(s["num_blocks"] for s in snaps.values())
+    used = sum(s["num_used_blocks"] for s in snaps.values())
+    for name, value in (
+        ("prefix_cache_hit_rate", hits / queries if queries else 0.0),
+        ("kv_cache_usage_ratio", used / blocks if blocks else 0.0),
+    ):
+        families[name][3].append(({"replica": "all"}, value))

@@ -1,0 +1,171 @@
+"""Which engine replica serves a request (Ray Serve's RequestRouter, in the server's process).
+
+Prefix-aware: a request goes to the replica whose prefix cache holds the longest prefix of its
+prompt, so requests that share a system prompt or a conversation's history land where its KV
+already is. What a replica holds is known from two sources, both keyed by the engine's own block
+hashes (engine.block_pool.extend_block_hashes over the prompt, with the cache salt and the
+adapter's cache key as extra keys, exactly as LLMEngine.add_request keys its blocks):
+- every replica reports the hashes in its prefix-cache index (EngineReplica.
+  record_routing_stats, every `request_routing_stats_period_s`);
+- the router remembers the prompts it routed for `memory_s`, so the next request sharing a
+  prefix follows the first before the replica's next report.
+A replica is eligible only while its load (requests queued at it) is within `max_imbalance` of
+the least loaded one: a hot prefix must not pile every request onto one replica. With no
+eligible replica holding `min_blocks` of the prompt, the request goes to the least loaded
+replica (then the one caching fewest blocks, so new prefixes spread), preferring (adapter
+affinity) those that have the request's LoRA adapter loaded.
+
+`policy="round_robin"` is the baseline the benchmark and the tests compare against.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from engine.block_pool import extend_block_hashes
+from engine.sampling_params import SamplingParams
+from lora.adapter import LoRARequest
+
+
+@dataclass
+class Submission:
+    """One request as the server hands it to a replica (EngineReplica.generate)."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    lora: LoRARequest | None = None
+    cache_salt: str | None = None
+
+
+@dataclass
+class ReplicaView:
+    """What the router knows of one replica."""
+
+    key: str
+    cached: set[bytes] = field(default_factory=set)  # block hashes it holds (or soon will)
+    adapters: dict[str, bytes] = field(default_factory=dict)  # loaded: name -> cache key
+    load: int = 0  # requests queued at it
+
+
+def prompt_hashes(sub: Submission, block_size: int, adapter_key: bytes | None) -> list[bytes]:
+    """The chained hashes of the prompt's full blocks, as the engine keys them (its salt is
+    the cache salt then the adapter's cache key; LLMEngine.add_request)."""
+    salt = (sub.cache_salt or "").encode() + (adapter_key or b"")
+    return extend_block_hashes([], sub.prompt, block_size, salt)
+
+
+def matched_blocks(hashes: list[bytes], cached: set[bytes]) -> int:
+    """How many leading blocks of the prompt are cached (a chain: a miss ends the prefix)."""
+    for i, h in enumerate(hashes):
+        if h not in cached:
+            return i
+    return len(hashes)
+
+
+def rank(
+    views: list[ReplicaView],
+    sub: Submission,
+    block_size: int,
+    min_blocks: int = 1,
+    max_imbalance: int = 4,
+) -> tuple[list[list[str]], str]:
+    """Replica keys, most preferred rank first, and why ("prefix", "adapter", "least_loaded").
+    Within a rank Ray Serve picks the replica with the shortest queue."""
+    least = min(v.load for v in views)
+    eligible = [v for v in views if v.load <= least + max_imbalance]
+    name = sub.lora.name if sub.lora else None
+    matches = {}
+    for v in eligible:
+        if name is not None and name not in v.adapters:
+            matches[v.key] = 0  # its cache cannot hold blocks keyed by that adapter
+            continue
+        hashes = prompt_hashes(sub, block_size, v.adapters.get(name) if name else None)
+        matches[v.key] = matched_blocks(hashes, v.cached)
+    best = max(matches.values(), default=0)
+    if best >= min_blocks:
+        first, why = [k for k, m in matches.items() if m == best], "prefix"
+    else:
+        # No replica holds enough: the least loaded, then the one caching least (new prefixes
+        # spread over the replicas instead of crowding the first), preferring (affinity) those
+        # with the request's adapter loaded.
+        with_adapter = [v for v in eligible if name is not None and name in v.adapters]
+        pool, why = (with_adapter, "adapter") if with_adapter else (eligible, "least_loaded")
+        first = [min(pool, key=lambda v: (v.load, len(v.cached))).key]
+    rest = [v.key for v in views if v.key not in first]
+    return ([first, rest] if rest else [first]), why
+
+
+class ReplicaRouter(RequestRouter):
+    """Ray Serve's hook: `choose_replicas` ranks candidates by `rank` (or round-robin)."""
+
+    def initialize_state(
+        self,
+        block_size: int = 16,
+        policy: str = "prefix",
+        min_blocks: int = 1,
+        max_imbalance: int = 4,
+        memory_s: float = 10.0,
+    ) -> None:
+        if policy not in ("prefix", "round_robin"):
+            raise ValueError(f"policy must be 'prefix' or 'round_robin', got {policy!r}")
+        self.block_size, self.policy = block_size, policy
+        self.min_blocks, self.max_imbalance, self.memory_s = min_blocks, max_imbalance, memory_s
+        self.recent: dict[str, dict[bytes, float]] = {}  # replica -> hash -> when routed
+        self.decisions: Counter[str] = Counter()
+        self._turn = itertools.count()
+
+    def view(self, replica: RunningReplica) -> ReplicaView:
+        key = replica.replica_id.unique_id
+        stats = replica.routing_stats or {}
+        now = time.monotonic()
+        recent = self.recent.setdefault(key, {})
+        for h in [h for h, t in recent.items() if now - t > self.memory_s]:
+            del recent[h]
+        queued = self.replica_queue_len_cache.get(replica.replica_id)
+        return ReplicaView(
+            key,
+            set(stats.get("cached", ())) | recent.keys(),
+            dict(stats.get("adapters", {})),
+            queued if queued is not None else stats.get("load", 0),
+        )
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        sub = pending_request.args[0] if pending_request and pending_request.args else None
+        if not isinstance(sub, Submission):  # beam searches, snapshots: any replica
+            return [candidate_replicas]
+        by_key = {r.replica_id.unique_id: r for r in candidate_replicas}
+        if self.policy == "round_robin":
+            keys = sorted(by_key)
+            turn = next(self._turn) % len(keys)
+            ranks, why = [keys[turn:] + keys[:turn]], "round_robin"
+            ranks = [ranks[0][:1], ranks[0][1:]] if len(keys) > 1 else ranks
+        else:
+            views = [self.view(r) for r in candidate_replicas]
+            ranks, why = rank(views, sub, self.block_size, self.min_blocks, self.max_imbalance)
+        self.decisions[why] += 1
+        return [[by_key[k] for k in keys] for keys in ranks]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        """Remember the prompt's blocks on the replica it went to (it will cache them)."""
+        sub = pending_request.args[0] if pending_request.args else None
+        if not isinstance(sub, Submission):
+            return
+        replica = self.curr_replicas.get(replica_id)
+        adapters = (replica.routing_stats or {}).get("adapters", {}) if replica else {}
+        key = adapters.get(sub.lora.name) if sub.lora else None
+        if sub.lora and key is None:
+            return  # the replica loads the adapter first: its version is not known here
+        recent = self.recent.setdefault(replica_id.unique_id, {})
+        now = time.monotonic()
+        for h in prompt_hashes(sub, self.block_size, key):
+            recent[h] = now
