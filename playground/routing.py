@@ -12,8 +12,9 @@ adapter's cache key as extra keys, exactly as LLMEngine.add_request keys its blo
 A replica is eligible only while its load (requests queued at it) is within `max_imbalance` of
 the least loaded one: a hot prefix must not pile every request onto one replica. With no
 eligible replica holding `min_blocks` of the prompt, the request goes to the least loaded
-replica (then the one caching fewest blocks, so new prefixes spread), preferring (adapter
-affinity) those that have the request's LoRA adapter loaded.
+replica (then the one that took the fewest prompt blocks lately, then the one caching least,
+so new prefixes spread), preferring (adapter affinity) those with the request's adapter loaded.
+Load is counted here: requests this router sent to a replica and that have not finished.
 
 `policy="round_robin"` is the baseline the benchmark and the tests compare against.
 """
@@ -50,7 +51,8 @@ class ReplicaView:
     key: str
     cached: set[bytes] = field(default_factory=set)  # block hashes it holds (or soon will)
     adapters: dict[str, bytes] = field(default_factory=dict)  # loaded: name -> cache key
-    load: int = 0  # requests queued at it
+    load: int = 0  # requests routed to it and not finished
+    claimed: int = 0  # blocks of the prompts routed to it lately
 
 
 def prompt_hashes(sub: Submission, block_size: int, adapter_key: bytes | None) -> list[bytes]:
@@ -76,7 +78,8 @@ def rank(
     max_imbalance: int = 4,
 ) -> tuple[list[list[str]], str]:
     """Replica keys, most preferred rank first, and why ("prefix", "adapter", "least_loaded").
-    Within a rank Ray Serve picks the replica with the shortest queue."""
+    The first rank is the one replica chosen; the rest are where Ray Serve goes if its queue
+    is full."""
     least = min(v.load for v in views)
     eligible = [v for v in views if v.load <= least + max_imbalance]
     name = sub.lora.name if sub.lora else None
@@ -89,14 +92,14 @@ def rank(
         matches[v.key] = matched_blocks(hashes, v.cached)
     best = max(matches.values(), default=0)
     if best >= min_blocks:
-        first, why = [k for k, m in matches.items() if m == best], "prefix"
+        pool, why = [v for v in eligible if matches[v.key] == best], "prefix"
     else:
-        # No replica holds enough: the least loaded, then the one caching least (new prefixes
-        # spread over the replicas instead of crowding the first), preferring (affinity) those
-        # with the request's adapter loaded.
+        # No replica holds enough: the least loaded, then the one that took the fewest prompt
+        # blocks lately, then the one caching least (new prefixes spread over the replicas
+        # instead of crowding the first), preferring (affinity) those with the adapter loaded.
         with_adapter = [v for v in eligible if name is not None and name in v.adapters]
         pool, why = (with_adapter, "adapter") if with_adapter else (eligible, "least_loaded")
-        first = [min(pool, key=lambda v: (v.load, len(v.cached))).key]
+    first = [min(pool, key=lambda v: (v.load, v.claimed, len(v.cached))).key]
     rest = [v.key for v in views if v.key not in first]
     return ([first, rest] if rest else [first]), why
 
@@ -117,6 +120,8 @@ class ReplicaRouter(RequestRouter):
         self.block_size, self.policy = block_size, policy
         self.min_blocks, self.max_imbalance, self.memory_s = min_blocks, max_imbalance, memory_s
         self.recent: dict[str, dict[bytes, float]] = {}  # replica -> hash -> when routed
+        self.in_flight: Counter[str] = Counter()  # replica -> requests sent, not finished
+        self._sent: dict[str, str] = {}  # internal request id -> replica
         self.decisions: Counter[str] = Counter()
         self._turn = itertools.count()
 
@@ -127,12 +132,12 @@ class ReplicaRouter(RequestRouter):
         recent = self.recent.setdefault(key, {})
         for h in [h for h, t in recent.items() if now - t > self.memory_s]:
             del recent[h]
-        queued = self.replica_queue_len_cache.get(replica.replica_id)
         return ReplicaView(
             key,
             set(stats.get("cached", ())) | recent.keys(),
             dict(stats.get("adapters", {})),
-            queued if queued is not None else stats.get("load", 0),
+            self.in_flight[key],
+            len(recent),
         )
 
     async def choose_replicas(
@@ -140,32 +145,44 @@ class ReplicaRouter(RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
+        """One replica first (it is counted as the request's, its prompt blocks remembered
+        there), the others after it. Ray Serve may call it again for the same request (a
+        full queue, a replica gone): the request then counts where it was sent last."""
         sub = pending_request.args[0] if pending_request and pending_request.args else None
-        if not isinstance(sub, Submission):  # beam searches, snapshots: any replica
-            return [candidate_replicas]
         by_key = {r.replica_id.unique_id: r for r in candidate_replicas}
-        if self.policy == "round_robin":
-            keys = sorted(by_key)
+        keys = sorted(by_key)
+        if self.policy == "round_robin" or not isinstance(sub, Submission):
             turn = next(self._turn) % len(keys)
-            ranks, why = [keys[turn:] + keys[:turn]], "round_robin"
-            ranks = [ranks[0][:1], ranks[0][1:]] if len(keys) > 1 else ranks
+            ranks, why = [keys[turn : turn + 1], keys[:turn] + keys[turn + 1 :]], "round_robin"
         else:
-            views = [self.view(r) for r in candidate_replicas]
+            views = [self.view(by_key[k]) for k in keys]
             ranks, why = rank(views, sub, self.block_size, self.min_blocks, self.max_imbalance)
         self.decisions[why] += 1
-        return [[by_key[k] for k in keys] for keys in ranks]
+        if pending_request is not None:
+            self._sent_to(pending_request, by_key[ranks[0][0]], sub)
+        return [[by_key[k] for k in keys] for keys in ranks if keys]
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
-        """Remember the prompt's blocks on the replica it went to (it will cache them)."""
-        sub = pending_request.args[0] if pending_request.args else None
+    def _sent_to(self, pending: PendingRequest, replica: RunningReplica, sub) -> None:
+        """Count the request on `replica` and remember its prompt's blocks there (the replica
+        will cache them; its report says so only a period later)."""
+        key, request = replica.replica_id.unique_id, pending.metadata.internal_request_id
+        previous = self._sent.get(request)
+        if previous is not None:
+            self.in_flight[previous] -= 1
+        self._sent[request] = key
+        self.in_flight[key] += 1
         if not isinstance(sub, Submission):
             return
-        replica = self.curr_replicas.get(replica_id)
-        adapters = (replica.routing_stats or {}).get("adapters", {}) if replica else {}
-        key = adapters.get(sub.lora.name) if sub.lora else None
-        if sub.lora and key is None:
+        adapters = (replica.routing_stats or {}).get("adapters", {})
+        adapter_key = adapters.get(sub.lora.name) if sub.lora else None
+        if sub.lora and adapter_key is None:
             return  # the replica loads the adapter first: its version is not known here
-        recent = self.recent.setdefault(replica_id.unique_id, {})
+        recent = self.recent.setdefault(key, {})
         now = time.monotonic()
-        for h in prompt_hashes(sub, self.block_size, key):
+        for h in prompt_hashes(sub, self.block_size, adapter_key):
             recent[h] = now
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        key = self._sent.pop(internal_request_id, None)
+        if key is not None:
+            self.in_flight[key] -= 1

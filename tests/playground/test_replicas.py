@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -185,8 +186,9 @@ def _reported(replicas: Replicas) -> None:
 
 
 def _shared_prefix_run(url: str, replicas: Replicas) -> float:
-    """Three system prompts of 10 blocks in turn, 4 rounds, each with its own question; the
-    prefix-cache hit rate over the run."""
+    """Three system prompts of 10 blocks in turn, 4 rounds, each with its own question; a
+    round's three requests in flight together (sent 50 ms apart, in order); the prefix-cache
+    hit rate over the run."""
     vocab = replicas.engine.vocab_size
     systems = [
         [(97 * s + 13 * i) % (vocab - 1000) + 500 for i in range(SYSTEM_TOKENS)] for s in range(3)
@@ -194,12 +196,24 @@ def _shared_prefix_run(url: str, replicas: Replicas) -> float:
     client = _client(url)
     _reported(replicas)
     hits0, queries0 = _hit_tokens(url)
-    for round_ in range(4):
-        for s, system in enumerate(systems):
-            question = [700 + 10 * round_ + s + k for k in range(8)]
-            client.completions.create(
-                model=MODEL, prompt=system + question, max_tokens=4, temperature=0
-            )
+    with ThreadPoolExecutor(len(systems)) as pool:
+        for round_ in range(4):
+            sent = []
+            for s, system in enumerate(systems):
+                question = [700 + 10 * round_ + s + k for k in range(8)]
+                prompt = system + question
+                sent.append(
+                    pool.submit(
+                        client.completions.create,
+                        model=MODEL,
+                        prompt=prompt,
+                        max_tokens=4,
+                        temperature=0,
+                    )
+                )
+                time.sleep(0.05)
+            for future in sent:
+                assert future.result().choices[0].finish_reason == "length"
     _reported(replicas)
     hits, queries = _hit_tokens(url)
     return (hits - hits0) / (queries - queries0)
