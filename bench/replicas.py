@@ -1,7 +1,7 @@
 """Data-parallel replicas on this machine: one engine against two Ray Serve replicas, routed in
 turn or by cached prefix, on a shared-system-prompt workload.
 
-    python -m bench.replicas [--model smollm2-135m-instruct] [--systems 4] [--system-len 512]
+    python -m bench.replicas [--model smollm2-135m-instruct] [--systems 3] [--system-len 512]
                              [--rounds 6] [--tokens 16] [--concurrency 4] [--repeats 3]
 
 Work (one run): --systems system prompts of --system-len tokens (real English text), each asked
@@ -172,7 +172,7 @@ def measure(args) -> dict[str, Timings]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=MODEL)
-    ap.add_argument("--systems", type=int, default=4)
+    ap.add_argument("--systems", type=int, default=3)
     ap.add_argument("--system-len", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--tokens", type=int, default=16)
