@@ -287,9 +287,12 @@ class ModelRunner:
         return self.model(ids, pos, self.kv_caches, meta, lora)
 
     def device_logits(self, hidden: torch.Tensor, rows: list[int] | None) -> torch.Tensor:
-        """[len(rows) or M, vocab] in the model's dtype, on its device."""
+        """[len(rows) or M, vocab] in the model's dtype, on its device. hidden: the whole
+        forward's [M, hidden] (tensor-parallel workers pick the same rows of theirs)."""
         if rows is not None:
             hidden = hidden[to_device(host_tensor(rows), self.device)]
+        if self.workers is not None:  # their shares of the vocabulary, for the same rows
+            self.workers.logits(rows)
         return self.model.compute_logits(hidden)[:, : self.cfg.vocab_size]
 
     def _token_slots(self, items: list[ForwardItem]) -> list[int] | None:
@@ -456,9 +459,9 @@ class ModelRunner:
                 # the first output token, which is not a prompt logprob.
                 last = min(start + n, request.num_prompt_tokens - 1)
                 if last > start:
-                    h = hidden[start_row : start_row + last - start]
+                    rows = list(range(start_row, start_row + last - start))
                     targets = request.token_ids[start + 1 : last + 1]
-                    lp = torch.log_softmax(self.device_logits(h, None).float(), dim=-1)
+                    lp = torch.log_softmax(self.device_logits(hidden, rows).float(), dim=-1)
                     emitted = to_device(host_tensor(targets), self.device)
                     top = TopLogprobs.gather(lp, emitted, num_top)
                     pending.device.prompt_logprobs.append(top)

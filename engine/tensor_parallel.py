@@ -6,8 +6,11 @@ output (rank r keeps query heads [r H/N, (r+1) H/N), the matching KV heads, and 
 [r I/N, (r+1) I/N) of the MLP), so attention and the activation run on local heads and columns
 with no communication; o_proj and down_proj are split by input, so each rank's product is a
 partial sum of the layer's output, and one all-reduce per projection (two per layer) makes it
-whole on every rank. Embedding, norms and LM head are replicated: after the last layer every
-rank holds the same hidden states, and rank 0 computes the logits alone. Quantized weights split
+whole on every rank. Embedding and norms are replicated: after the last layer every rank holds
+the same hidden states. The LM head is split by vocabulary rows: each rank computes its share of
+the logits for the rows rank 0 asks for, and a gather to rank 0 makes them whole (a replicated
+head on rank 0 alone was 28% of a 0.5B model's weights, read every step by one rank while the
+others waited; bench/RESULTS.md). Quantized weights split
 the same way by whole groups of 32 inputs (`Split`), and a LoRA update x A B with its layer
 (`shard_lora`).
 
@@ -70,6 +73,22 @@ class Group:
         self.pg.broadcast([buffer], opts).wait()
         return obj if self.rank == 0 else pickle.loads(buffer.numpy().tobytes())
 
+    def gather_columns(self, local: torch.Tensor, total: int) -> torch.Tensor:
+        """Every rank's [M, its vocab rows] logits side by side on rank 0: [M, total] there
+        (the others get their own back). Shares are padded to one width (gloo gathers equal
+        sizes); see vocab_rows."""
+        width = -(-total // self.world)
+        if local.shape[1] < width:
+            local = torch.nn.functional.pad(local, (0, width - local.shape[1]))
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        if self.rank != 0:
+            self.pg.gather([], [local.contiguous()], opts).wait()
+            return local
+        parts = [torch.empty_like(local) for _ in range(self.world)]
+        self.pg.gather([parts], [local.contiguous()], opts).wait()
+        return torch.cat(parts, dim=1)[:, :total]
+
 
 def local_config(cfg: ModelConfig, world: int) -> ModelConfig:
     """The shape one rank's shard has: its heads and MLP columns (what its KV cache holds)."""
@@ -90,8 +109,16 @@ def local_config(cfg: ModelConfig, world: int) -> ModelConfig:
     )
 
 
+def vocab_rows(total: int, rank: int, world: int) -> tuple[int, int]:
+    """The LM head rows [start, end) a rank computes: shares of ceil(total / world), the last
+    one shorter when world does not divide total."""
+    width = -(-total // world)
+    return min(rank * width, total), min((rank + 1) * width, total)
+
+
 class Split:
-    """One rank's share of each projection's weight and bias, dense or quantized."""
+    """One rank's share of each projection's weight and bias, dense or quantized, and of the
+    LM head (`vocab`)."""
 
     ROW_SPLIT = ("o_proj", "down_proj")  # split by input; the others by output
 
@@ -120,6 +147,15 @@ class Split:
             return weight.columns(start, end)
         return weight[:, start:end].contiguous()
 
+    def vocab(self, head):
+        """The rank's rows of the LM head ([vocab, hidden], dense or quantized); a fresh
+        tensor, so a tied embedding stays whole."""
+        total = head.out_features if hasattr(head, "rows") else head.shape[0]
+        start, end = vocab_rows(total, self.rank, self.world)
+        if hasattr(head, "rows"):
+            return head.rows(torch.arange(start, end))
+        return head[start:end].clone()
+
 
 def shard_model(model: nn.Module, group: Group) -> None:
     """Make `model` rank `group.rank`'s shard in place: a dense model's projections (loaded
@@ -127,6 +163,13 @@ def shard_model(model: nn.Module, group: Group) -> None:
     every layer then attends with its own heads and all-reduces its two row-split products."""
     cfg, local = model.config, local_config(model.config, group.world)
     split = Split(cfg, group.rank, group.world)
+    head = model.lm_head_quantized if model.lm_head_quantized is not None else None
+    if head is None:  # dense (a GGUF's quantized head came split)
+        total = model.lm_head_weight.shape[0]
+        model.lm_head_weight = nn.Parameter(split.vocab(model.lm_head_weight), requires_grad=False)
+    else:
+        total = model.lm_head_rows
+    model.gather_logits = partial(group.gather_columns, total=total)
     for layer in model.layers:
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             linear = getattr(layer, name)
@@ -214,6 +257,11 @@ class Workers:
         with these rows' adapter slots (None: no adapter in the step)."""
         self._checked(lambda: self.group.broadcast(("forward", flat, placed, token_slots)))
 
+    def logits(self, rows: list[int] | None) -> None:
+        """The workers compute their share of the logits of the last forward's hidden rows
+        `rows` (None: all), for the gather rank 0's compute_logits then does."""
+        self._checked(lambda: self.group.broadcast(("logits", rows)))
+
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         self._checked(lambda: self.group.broadcast(("copy", copies)))
 
@@ -265,7 +313,7 @@ def worker(port: int, rank: int) -> None:
     _, num_blocks = group.broadcast()
     backend = resolve_backend(config.attention_backend, cfg.sliding_window, config.torch_device)
     runner = ModelRunner(model, local_config(cfg, world), num_blocks, config.block_size, backend)
-    slots = None
+    slots, hidden = None, None  # hidden: the last forward's [N, hidden] (for "logits")
     if config.enable_lora:
         from lora.batch import LoRASlots
 
@@ -279,8 +327,11 @@ def worker(port: int, rank: int) -> None:
         if message[0] == "copy":
             runner.copy_blocks(message[1])
             continue
+        if message[0] == "logits":
+            runner.device_logits(hidden, message[1])  # (the gather keeps rank 0's)
+            continue
         flat, placed, token_slots = message[1:]
         for slot, adapter in placed:
             slots.place(slot, adapter)
         lora = token_slots and backend.lora_batch(slots, token_slots)
-        runner.forward_flat(flat, lora)
+        hidden = runner.forward_flat(flat, lora)

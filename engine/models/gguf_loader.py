@@ -95,7 +95,8 @@ def load_gguf_weights(
 ) -> None:
     """Fill `model` (built from the same checkpoint's config) with the GGUF's weights:
     projections, embedding and LM head quantized, the rest dense. split(name, weight[, bias]):
-    a tensor-parallel rank's share of each projection (engine.tensor_parallel.Split)."""
+    a tensor-parallel rank's share of each projection, split.vocab(head) its LM head rows
+    (engine.tensor_parallel.Split)."""
     cfg: ModelConfig = model.config
     if cfg.mlp_bias:
         raise ValueError("GGUF models with MLP biases are not supported")
@@ -119,4 +120,7 @@ def load_gguf_weights(
             getattr(layer, name).set_quantized(weight, device, dtype)
     embed = w.quantized("token_embd.weight")
     head = w.quantized("output.weight") if w.has("output.weight") else embed
+    rows = head.out_features
+    head = split.vocab(head) if split else head  # (the embedding stays whole)
     model.set_quantized_embeddings(embed, head, device, dtype)
+    model.lm_head_rows = rows  # the whole head's, before a split

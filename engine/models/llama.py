@@ -227,6 +227,9 @@ class LlamaForCausalLM(nn.Module):
         # [vocab, hidden], shared with the embedding when tied; F.linear reads it as is.
         self.lm_head_packed: torch.Tensor | None = None  # oneDNN copy for more than one row
         self.lm_head_int8: torch.Tensor | None = None  # int8 copy (draft models)
+        # Tensor parallelism: this rank's head holds some vocabulary rows; gather_logits puts
+        # the ranks' logits side by side (engine.tensor_parallel.shard_model).
+        self.gather_logits = None
         self.lm_head_weight = (
             self.embed_tokens.weight
             if cfg.tie_word_embeddings
@@ -287,6 +290,7 @@ class LlamaForCausalLM(nn.Module):
         # The LM head stays on one path at any row count: a verification step's logits are
         # then bitwise a decode step's (the fused layers keep the hidden states so).
         self.lm_head_quantized = QuantizedLinear(lm_head, None, device, dtype, bf16_gemm=False)
+        self.lm_head_rows = lm_head.out_features  # (the loader records a split head's total)
         self.embed_tokens.weight = None
         self.lm_head_weight = None
 
@@ -300,7 +304,7 @@ class LlamaForCausalLM(nn.Module):
                 module.set_quantized(QuantizedWeight.quantize(module.weight, bits), device, dtype)
         embed = QuantizedWeight.quantize(self.embed_tokens.weight, 8)
         head = embed
-        if not self.config.tie_word_embeddings:
+        if self.lm_head_weight is not self.embed_tokens.weight:  # untied, or split by vocab
             head = QuantizedWeight.quantize(self.lm_head_weight, 8)
         self.set_quantized_embeddings(embed, head, device, dtype)
 
@@ -312,6 +316,10 @@ class LlamaForCausalLM(nn.Module):
         return self.fused_decode
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, vocab]
+        logits = self._head(hidden)  # [M, this rank's vocabulary rows]
+        return logits if self.gather_logits is None else self.gather_logits(logits)
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head_quantized is not None:
             return self.lm_head_quantized(hidden)
         if self.lm_head_int8 is not None:

@@ -36,6 +36,7 @@ def generate(model, constraints=False, **config) -> tuple[LLM, list]:
             temperature=0,
             ignore_eos=True,
             logprobs=2,
+            prompt_logprobs=2 if i == 0 else None,  # rows across the prefill's chunks
             structured_outputs=CONSTRAINTS[i] if constraints else None,
         )
         for i in range(len(PROMPTS))
@@ -51,10 +52,40 @@ def assert_same(outs, reference, tolerance: float = 1e-4) -> None:
     for out, ref in greedy:
         got, want = out.outputs[0], ref.outputs[0]
         assert got.token_ids == want.token_ids
-        for lps, ref_lps in zip(got.logprobs, want.logprobs, strict=True):
+        prompt = (out.prompt_logprobs or [None])[1:], (ref.prompt_logprobs or [None])[1:]
+        for lps, ref_lps in zip(got.logprobs + prompt[0], want.logprobs + prompt[1], strict=True):
             assert lps.keys() == ref_lps.keys()
             for t in lps:
                 assert math.isclose(lps[t].logprob, ref_lps[t].logprob, abs_tol=tolerance)
+
+
+def test_logits_gather_pads_uneven_shares():
+    """Two ranks (threads here) holding 3 and 2 of 5 vocabulary rows: rank 0 gets the logits
+    side by side, the padding cut off."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from engine.tensor_parallel import TIMEOUT, Group, vocab_rows
+
+    assert [vocab_rows(5, r, 2) for r in range(2)] == [(0, 3), (3, 5)]
+    assert [vocab_rows(10, r, 3) for r in range(3)] == [(0, 4), (4, 8), (8, 10)]
+    whole = torch.arange(20.0).reshape(4, 5)
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    got = {}
+
+    def rank(r: int) -> None:
+        peer = store if r == 0 else dist.TCPStore("127.0.0.1", store.port, 2, timeout=TIMEOUT)
+        start, end = vocab_rows(5, r, 2)
+        got[r] = Group(peer, r, 2).gather_columns(whole[:, start:end].clone(), 5)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert torch.equal(got[0], whole)
 
 
 def is_worker(process: psutil.Process) -> bool:
@@ -74,6 +105,9 @@ def test_two_ranks_equal_one(arch, request):
     _, reference = generate(model, enable_prefix_caching=False)
     llm, outs = generate(model, enable_prefix_caching=False, tensor_parallel_size=2)
     assert llm.engine.runner.kv_caches.shape[2] == 1  # of the 2 KV heads
+    model_ = llm.engine.runner.model  # rank 0 computes half the vocabulary's logits
+    assert model_.lm_head_weight.shape[0] == -(-model_.config.vocab_size // 2)
+    assert len(outs[0].prompt_logprobs) == len(PROMPTS[0])
     # (a split weight that required grad chained every step's graph onto the KV cache)
     assert not any(p.requires_grad for p in llm.engine.runner.model.parameters())
     assert llm.engine.scheduler.num_preemptions > 0
