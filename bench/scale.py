@@ -1,7 +1,7 @@
 """Scale-out on this machine: a model split over two tensor-parallel ranks against one rank.
 
     python -m bench.scale [--model qwen2.5-coder-0.5b-instruct] [--prompt-len 256]
-                          [--tokens 32] [--batch 8] [--repeats 3]
+                          [--tokens 32] [--batch 8] [--repeats 3] [--draft self]
 
 The model dense in float32 (tensor parallelism splits dense weights), greedy, EOS ignored,
 prefix caching off. Modes, alternated (bench/harness.py: a warm-up each, then --repeats rounds,
@@ -10,6 +10,8 @@ median and spread):
 - tp2: two ranks, each a process on 1 thread, summing partial products over gloo twice a layer.
 Work: one request (time to first token, time per output token) and --batch requests at once
 (wall seconds). Every mode's tokens must equal tp1-t1's (exit 1 otherwise).
+--draft self: every mode speculates with the model's own GGUF blocks (Q4_K_M) as its draft
+(whole, on rank 0 alone: the draft is not split), adaptive k; the target's tokens are unchanged.
 Tensor parallelism is for models larger than one device and for GPUs, whose all-reduce runs
 over NVLink; on two CPU cores it competes with intra-op threads for the same cores and pays a
 loopback all-reduce per projection, so it is expected to lose here: the point is the figure.
@@ -38,7 +40,7 @@ MODEL = "qwen2.5-coder-0.5b-instruct"  # 14 query and 2 KV heads: splits in two
 MODES = {"tp1-t1": (1, 1), "tp1-t2": (1, 2), "tp2": (2, 1)}  # (ranks, threads per rank)
 
 
-def make_llm(model: str, ranks: int, max_len: int):
+def make_llm(model: str, ranks: int, max_len: int, draft: str | None = None):
     """A fixed KV budget: the model's fp32 weights take ~3.3 GB a copy, and the default share
     of free memory (10%) per engine would crowd two engines and a worker out of RAM."""
     from engine import LLM
@@ -51,6 +53,7 @@ def make_llm(model: str, ranks: int, max_len: int):
         enable_prefix_caching=False,
         max_model_len=max_len,
         kv_cache_memory_bytes=512 << 20,
+        draft_model=draft,
     )
 
 
@@ -79,10 +82,11 @@ def on_threads(threads: int, mode: Callable[[], Run]) -> Callable[[], Run]:
 
 
 def measure(
-    model: str, prompt_len: int, tokens: int, batch: int, repeats: int
+    model: str, prompt_len: int, tokens: int, batch: int, repeats: int, draft: str | None = None
 ) -> tuple[dict[str, Timings], dict[str, Timings]]:
     """(batch-1 timings, batch timings) of every mode, each work alternated over the modes."""
-    engines = {r: make_llm(model, r, prompt_len + tokens) for r in (1, 2)}  # tp1-t1, t2 share
+    # tp1-t1 and tp1-t2 share an engine
+    engines = {r: make_llm(model, r, prompt_len + tokens, draft) for r in (1, 2)}
     llms = {name: engines[ranks] for name, (ranks, _) in MODES.items()}
     text = held_tokens(next(iter(llms.values())).tokenizer, prompt_len * (batch + 1))
     one = text[:prompt_len]
@@ -105,8 +109,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--draft", default=None, help='a draft model for every mode, e.g. "self"')
     args = ap.parse_args()
-    single, batched = measure(args.model, args.prompt_len, args.tokens, args.batch, args.repeats)
+    single, batched = measure(
+        args.model, args.prompt_len, args.tokens, args.batch, args.repeats, args.draft
+    )
     print(f"batch 1: {args.prompt_len}-token prompt, {args.tokens} new tokens; TTFT")
     print(summary(single, "ttft", 1e3, "ms"))
     print("per output token")
