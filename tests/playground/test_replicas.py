@@ -19,6 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from web import API_KEY, command_line, serving
 
+from engine.beam_search import BeamSearchParams
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from lora.adapter import LoRARequest
@@ -110,8 +111,8 @@ def _client(url: str) -> openai.OpenAI:
 
 
 def test_outputs_equal_one_engine(prefix, offline, demo_adapters):
-    """Greedy and seeded sampled completions, their logprobs, and an adapter's, as the offline
-    API gives them from one engine."""
+    """Greedy and seeded sampled completions, their logprobs, an adapter's, and beam search
+    (on one replica), as the offline API gives them from one engine."""
     client = _client(prefix[0])
     prompts = ["The cat sat on the mat. The cat sat", "One, two, three,"]
     for temperature, seed in ((0.0, None), (0.8, 11)):
@@ -137,6 +138,15 @@ def test_outputs_equal_one_engine(prefix, offline, demo_adapters):
     (ref,) = offline.generate(prompt, params, use_tqdm=False, lora_request=adapter)
     (base,) = offline.generate(prompt, params, use_tqdm=False)
     assert r.choices[0].text == ref.outputs[0].text != base.outputs[0].text
+    beams = ["The three primary colours are", "A good name for a cat is"]
+    beam_args = {"use_beam_search": True, "best_of": 3}
+    r = client.completions.create(
+        model=MODEL, prompt=beams, max_tokens=12, n=2, extra_body=beam_args
+    )
+    want = [
+        s for out in offline.beam_search(beams, BeamSearchParams(3, 12)) for s in out.sequences[:2]
+    ]
+    assert [c.text for c in r.choices] == [s.text for s in want]
 
 
 def test_adapter_hot_load_reaches_every_replica(prefix, offline, demo_adapters):
