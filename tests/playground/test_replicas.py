@@ -67,6 +67,18 @@ def test_serve_command_with_two_replicas(offline):
     assert len(replicas) == 2 and total == sum(replicas.values()) >= 8
 
 
+def test_bad_data_parallel_size_is_refused():
+    """A replica count below 1 names the flag; the playground (one engine's views) refuses
+    replicas; neither starts Ray."""
+    from playground.cli import main
+
+    with pytest.raises(SystemExit, match="--data-parallel-size must be >= 1, got 0"):
+        main(["serve", "--data-parallel-size", "0"])
+    with pytest.raises(SystemExit, match="the playground draws one engine"):
+        main(["playground", "--data-parallel-size", "2"])
+    assert not ray.is_initialized()
+
+
 def _per_replica(url: str, sample: str) -> dict[str, float]:
     """A sample's values in /metrics by its replica label."""
     text = httpx.get(url + "/metrics").text
