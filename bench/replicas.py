@@ -78,15 +78,15 @@ class Workload:
         return out
 
 
-def hit_tokens(snapshots: list[dict]) -> tuple[int, int]:
+def hit_tokens(summaries: list[dict]) -> tuple[int, int]:
     return (
-        sum(s["prefix_cache"]["hit_tokens"] for s in snapshots),
-        sum(s["prefix_cache"]["query_tokens"] for s in snapshots),
+        sum(s["prefix_cache"]["hit_tokens"] for s in summaries),
+        sum(s["prefix_cache"]["query_tokens"] for s in summaries),
     )
 
 
 def serving_mode(
-    engine, snapshots: Callable[[], list[dict]], workload: Workload, tokens: int, concurrency: int
+    engine, summaries: Callable[[], list[dict]], workload: Workload, tokens: int, concurrency: int
 ) -> Callable[[], Run]:
     """A run: every prompt of the next set through `engine` (an AsyncEngine or Replicas),
     at most `concurrency` at a time."""
@@ -113,9 +113,9 @@ def serving_mode(
 
     def run() -> Run:
         prompts = workload.prompts(next(runs))
-        hits0, queries0 = hit_tokens(snapshots())
+        hits0, queries0 = hit_tokens(summaries())
         seconds, done = asyncio.run(all_of(prompts))
-        hits, queries = hit_tokens(snapshots())
+        hits, queries = hit_tokens(summaries())
         ids = [d[1] for d in done]
         metrics = {
             "tokens_per_s": sum(map(len, ids)) / seconds,
@@ -128,11 +128,12 @@ def serving_mode(
 
 
 def settled(replicas, period: float) -> Callable[[], list[dict]]:
-    """The replicas' snapshots once their counters are current (reports every `period`)."""
+    """The replicas' engine summaries (read live), after waiting for the router's view of
+    them to be current too (their reports come every `period`)."""
 
     def read() -> list[dict]:
         time.sleep(3 * period)
-        return list(replicas.snapshots().values())
+        return list(replicas.summaries().values())
 
     return read
 
@@ -155,7 +156,7 @@ def measure(args) -> dict[str, Timings]:
     workload = Workload(local.engine.tokenizer, args.systems, args.system_len, args.rounds, runs)
     modes = {
         "engine-t2": serving_mode(
-            local, lambda: [local.snapshot()], workload, args.tokens, args.concurrency
+            local, lambda: [local.summary()], workload, args.tokens, args.concurrency
         )
     }
     for name, replicas in deployments.items():

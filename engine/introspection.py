@@ -46,7 +46,9 @@ def lora_state(engine) -> dict:
 
 
 def snapshot(engine) -> dict:
-    kv, pool, sched = engine.kv, engine.kv.pool, engine.scheduler
+    """summary() with every request's block table and every block in use or cached (what the
+    playground draws)."""
+    kv, pool = engine.kv, engine.kv.pool
     requests = []
     for request, table in kv.block_tables.items():
         requests.append(
@@ -71,16 +73,20 @@ def snapshot(engine) -> dict:
         for b in range(1, pool.num_blocks)
         if pool.ref_counts[b] > 0 or pool.block_hashes[b] is not None
     }
+    return summary(engine) | {"requests": requests, "blocks": blocks}
+
+
+def summary(engine) -> dict:
+    """The engine's counters and gauges, without a walk over its requests and blocks (what
+    /metrics and a replica's report read)."""
+    kv, pool, sched = engine.kv, engine.kv.pool, engine.scheduler
     stored, allocated = kv_utilization(engine)
-    num_cached_free = pool.num_cached_free
     return {
         "block_size": kv.block_size,
         "num_blocks": pool.num_usable,
         "num_free_blocks": pool.num_free,
-        "num_cached_free_blocks": num_cached_free,
+        "num_cached_free_blocks": pool.num_cached_free,
         "num_used_blocks": pool.num_usable - pool.num_free,
-        "requests": requests,
-        "blocks": blocks,
         "prefix_cache": {
             "query_tokens": kv.num_query_tokens,
             "hit_tokens": kv.num_hit_tokens,

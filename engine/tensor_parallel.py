@@ -163,13 +163,9 @@ def shard_model(model: nn.Module, group: Group) -> None:
     every layer then attends with its own heads and all-reduces its two row-split products."""
     cfg, local = model.config, local_config(model.config, group.world)
     split = Split(cfg, group.rank, group.world)
-    head = model.lm_head_quantized if model.lm_head_quantized is not None else None
-    if head is None:  # dense (a GGUF's quantized head came split)
-        total = model.lm_head_weight.shape[0]
+    if model.lm_head_quantized is None:  # dense (a GGUF's quantized head came split)
         model.lm_head_weight = nn.Parameter(split.vocab(model.lm_head_weight), requires_grad=False)
-    else:
-        total = model.lm_head_rows
-    model.gather_logits = partial(group.gather_columns, total=total)
+    model.gather_logits = partial(group.gather_columns, total=model.lm_head_rows)
     for layer in model.layers:
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             linear = getattr(layer, name)

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from engine.introspection import summary
 from engine.llm_engine import LLMEngine
 from engine.outputs import OutputAccumulator, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -306,14 +307,21 @@ class AsyncEngine:
 
     def snapshot(self) -> dict:
         """The engine's snapshot, taken between steps (blocks the caller for at most a step)."""
-        with self.lock:
-            snap = self.engine.snapshot()
-        snap["tokens_per_second"] = self.tokens_per_second()
-        return snap
+        return self._between_steps(self.engine.snapshot)
 
-    def snapshots(self) -> dict[str, dict]:
-        """Snapshots by replica ("": this one engine; Replicas gives one per replica)."""
-        return {"": self.snapshot()}
+    def summary(self) -> dict:
+        """The snapshot's counters and gauges alone (no walk over requests and blocks)."""
+        return self._between_steps(lambda: summary(self.engine))
+
+    def summaries(self) -> dict[str, dict]:
+        """Summaries by replica ("": this one engine; Replicas gives one per replica)."""
+        return {"": self.summary()}
+
+    def _between_steps(self, read: Callable[[], dict]) -> dict:
+        with self.lock:
+            state = read()
+        state["tokens_per_second"] = self.tokens_per_second()
+        return state
 
     @property
     def is_running(self) -> bool:

@@ -100,7 +100,7 @@ class ServerMetrics(OutputObserver):
 
 
 class _EngineCollector:
-    """One engine's gauges and counters; with replicas (Replicas.snapshots), each sample
+    """One engine's gauges and counters; with replicas (Replicas.summaries), each sample
     labelled by replica plus replica="all": additive ones summed, the hit rate and KV usage
     recomputed from the sums."""
 
@@ -108,7 +108,7 @@ class _EngineCollector:
         self.engine = engine
 
     def collect(self):
-        snaps = self.engine.snapshots()  # {"": snapshot} for one engine
+        snaps = self.engine.summaries()  # {"": summary} for one engine
         families: dict[str, tuple] = {}  # name -> (family class, doc, label names, samples)
         for replica, snap in snaps.items():
             for family, name, doc, labels, value in _samples(snap):
@@ -138,7 +138,7 @@ _ADDITIVE = {name for name, _, _ in _COUNTERS} | {
 
 
 def _samples(snap: dict):
-    """(family class, name, doc, labels, value) of every sample one snapshot gives."""
+    """(family class, name, doc, labels, value) of every sample one engine summary gives."""
     for family, table in ((GaugeMetricFamily, _GAUGES), (CounterMetricFamily, _COUNTERS)):
         for name, doc, keys in table:
             value = snap

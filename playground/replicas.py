@@ -81,23 +81,20 @@ class EngineReplica:
         await self.engine.call(unload)
 
     def record_routing_stats(self) -> dict:
-        """For the router: the prefix-cache index, loaded adapters and load; for /metrics: the
-        snapshot's scalars."""
+        """For the router: the prefix-cache index and loaded adapters; for /metrics: the
+        engine's summary."""
         llm = self.engine.engine
         with self.engine.lock:  # between steps
             cached = set(llm.kv.pool.cached)
             adapters = llm.adapters.cache_keys() if llm.adapters is not None else {}
-        snap = self.engine.snapshot()
-        for big in ("blocks", "requests"):
-            snap.pop(big, None)
-        load = snap["num_running"] + snap["num_waiting"]
+        summary = self.engine.summary()
         return {
             "cached": cached,
             "adapters": adapters,
-            "load": load,
+            "load": summary["num_running"] + summary["num_waiting"],
             "pid": os.getpid(),
             "replica": serve.get_replica_context().replica_id.unique_id,
-            "snapshot": snap,
+            "summary": summary,
         }
 
     def check_health(self) -> None:
@@ -131,10 +128,8 @@ class Front:
         """Run a replica method on every replica; the first failure is raised as itself."""
         results = self.handle.broadcast(method, *args).results(return_exceptions=True)
         for result in results:
-            if isinstance(result, RayTaskError):
-                raise result.cause
             if isinstance(result, BaseException):
-                raise result
+                raise _own(result)
 
 
 class ReplicaStream(RequestStream):
@@ -170,10 +165,15 @@ async def _unwrapped(call, request_id: str):
     try:
         return await call
     except RayTaskError as exc:
-        raise exc.cause from None
+        raise _own(exc) from None
     except (RayActorError, StopAsyncIteration) as exc:
         message = f"the replica serving request {request_id} stopped: {type(exc).__name__}"
         raise EngineDeadError(message) from None
+
+
+def _own(error: BaseException) -> BaseException:
+    """The error a replica's own code raised (Ray wraps it in a RayTaskError)."""
+    return error.cause if isinstance(error, RayTaskError) else error
 
 
 class Replicas:
@@ -266,13 +266,15 @@ class Replicas:
         results = call.results(timeout_s=timeout_s, return_exceptions=True)
         return {r["replica"]: r for r in results if isinstance(r, dict)}
 
-    def snapshots(self) -> dict[str, dict]:
-        return {k: r["snapshot"] for k, r in self.reports().items()}
+    def summaries(self) -> dict[str, dict]:
+        """Each replica's engine summary (for /metrics), by replica id."""
+        return {k: r["summary"] for k, r in self.reports().items()}
 
     def snapshot(self) -> dict:
-        """The first replica's snapshot (the playground's views draw one engine)."""
-        snaps = self.snapshots()
-        return next(iter(snaps.values())) if snaps else {}
+        """The first replica's summary (/v1/snapshot; the playground's views draw one engine
+        and refuse replicas)."""
+        summaries = self.summaries()
+        return next(iter(summaries.values())) if summaries else {}
 
     @property
     def is_running(self) -> bool:

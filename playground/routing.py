@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter
+from collections.abc import Set
 from dataclasses import dataclass, field
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
@@ -49,10 +50,13 @@ class ReplicaView:
     """What the router knows of one replica."""
 
     key: str
-    cached: set[bytes] = field(default_factory=set)  # block hashes it holds (or soon will)
+    cached: Set[bytes] = frozenset()  # block hashes its last report listed (not copied)
     adapters: dict[str, bytes] = field(default_factory=dict)  # loaded: name -> cache key
     load: int = 0  # requests routed to it and not finished
-    claimed: int = 0  # blocks of the prompts routed to it lately
+    recent: Set[bytes] = frozenset()  # blocks of the prompts routed to it lately
+
+    def holds(self, block_hash: bytes) -> bool:
+        return block_hash in self.cached or block_hash in self.recent
 
 
 def prompt_hashes(sub: Submission, block_size: int, adapter_key: bytes | None) -> list[bytes]:
@@ -62,10 +66,10 @@ def prompt_hashes(sub: Submission, block_size: int, adapter_key: bytes | None) -
     return extend_block_hashes([], sub.prompt, block_size, salt)
 
 
-def matched_blocks(hashes: list[bytes], cached: set[bytes]) -> int:
-    """How many leading blocks of the prompt are cached (a chain: a miss ends the prefix)."""
+def matched_blocks(hashes: list[bytes], view: ReplicaView) -> int:
+    """How many leading blocks of the prompt the replica holds (a chain: a miss ends it)."""
     for i, h in enumerate(hashes):
-        if h not in cached:
+        if not view.holds(h):
             return i
     return len(hashes)
 
@@ -83,13 +87,15 @@ def rank(
     least = min(v.load for v in views)
     eligible = [v for v in views if v.load <= least + max_imbalance]
     name = sub.lora.name if sub.lora else None
-    matches = {}
+    matches, hashed = {}, {}  # hashed: adapter cache key -> the prompt's hashes under it
     for v in eligible:
         if name is not None and name not in v.adapters:
             matches[v.key] = 0  # its cache cannot hold blocks keyed by that adapter
             continue
-        hashes = prompt_hashes(sub, block_size, v.adapters.get(name) if name else None)
-        matches[v.key] = matched_blocks(hashes, v.cached)
+        key = v.adapters[name] if name else None
+        if key not in hashed:
+            hashed[key] = prompt_hashes(sub, block_size, key)
+        matches[v.key] = matched_blocks(hashed[key], v)
     best = max(matches.values(), default=0)
     if best >= min_blocks:
         pool, why = [v for v in eligible if matches[v.key] == best], "prefix"
@@ -99,7 +105,7 @@ def rank(
         # instead of crowding the first), preferring (affinity) those with the adapter loaded.
         with_adapter = [v for v in eligible if name is not None and name in v.adapters]
         pool, why = (with_adapter, "adapter") if with_adapter else (eligible, "least_loaded")
-    first = [min(pool, key=lambda v: (v.load, v.claimed, len(v.cached))).key]
+    first = [min(pool, key=lambda v: (v.load, len(v.recent), len(v.cached))).key]
     rest = [v.key for v in views if v.key not in first]
     return ([first, rest] if rest else [first]), why
 
@@ -122,7 +128,6 @@ class ReplicaRouter(RequestRouter):
         self.recent: dict[str, dict[bytes, float]] = {}  # replica -> hash -> when routed
         self.in_flight: Counter[str] = Counter()  # replica -> requests sent, not finished
         self._sent: dict[str, str] = {}  # internal request id -> replica
-        self.decisions: Counter[str] = Counter()
         self._turn = itertools.count()
 
     def view(self, replica: RunningReplica) -> ReplicaView:
@@ -132,13 +137,8 @@ class ReplicaRouter(RequestRouter):
         recent = self.recent.setdefault(key, {})
         for h in [h for h, t in recent.items() if now - t > self.memory_s]:
             del recent[h]
-        return ReplicaView(
-            key,
-            set(stats.get("cached", ())) | recent.keys(),
-            dict(stats.get("adapters", {})),
-            self.in_flight[key],
-            len(recent),
-        )
+        cached, adapters = stats.get("cached", frozenset()), stats.get("adapters", {})
+        return ReplicaView(key, cached, adapters, self.in_flight[key], recent.keys())
 
     async def choose_replicas(
         self,
@@ -153,11 +153,10 @@ class ReplicaRouter(RequestRouter):
         keys = sorted(by_key)
         if self.policy == "round_robin" or not isinstance(sub, Submission):
             turn = next(self._turn) % len(keys)
-            ranks, why = [keys[turn : turn + 1], keys[:turn] + keys[turn + 1 :]], "round_robin"
+            ranks = [keys[turn : turn + 1], keys[:turn] + keys[turn + 1 :]]
         else:
             views = [self.view(by_key[k]) for k in keys]
-            ranks, why = rank(views, sub, self.block_size, self.min_blocks, self.max_imbalance)
-        self.decisions[why] += 1
+            ranks, _ = rank(views, sub, self.block_size, self.min_blocks, self.max_imbalance)
         if pending_request is not None:
             self._sent_to(pending_request, by_key[ranks[0][0]], sub)
         return [[by_key[k] for k in keys] for keys in ranks if keys]

@@ -227,8 +227,10 @@ class LlamaForCausalLM(nn.Module):
         # [vocab, hidden], shared with the embedding when tied; F.linear reads it as is.
         self.lm_head_packed: torch.Tensor | None = None  # oneDNN copy for more than one row
         self.lm_head_int8: torch.Tensor | None = None  # int8 copy (draft models)
-        # Tensor parallelism: this rank's head holds some vocabulary rows; gather_logits puts
-        # the ranks' logits side by side (engine.tensor_parallel.shard_model).
+        # The head's rows (a dense head is checked to this shape on load; a GGUF loader records
+        # its file's). Tensor parallelism: this rank's head holds some of them, and
+        # gather_logits puts the ranks' logits side by side (engine.tensor_parallel).
+        self.lm_head_rows = cfg.vocab_size
         self.gather_logits = None
         self.lm_head_weight = (
             self.embed_tokens.weight
@@ -290,7 +292,6 @@ class LlamaForCausalLM(nn.Module):
         # The LM head stays on one path at any row count: a verification step's logits are
         # then bitwise a decode step's (the fused layers keep the hidden states so).
         self.lm_head_quantized = QuantizedLinear(lm_head, None, device, dtype, bf16_gemm=False)
-        self.lm_head_rows = lm_head.out_features  # (the loader records a split head's total)
         self.embed_tokens.weight = None
         self.lm_head_weight = None
 

@@ -199,9 +199,10 @@ def _hit_tokens(url: str) -> tuple[float, float]:
 
 
 def _reported(replicas: Replicas) -> None:
-    """Wait for both replicas' next reports (every ROUTING_STATS_PERIOD_S)."""
+    """Wait until both replicas answer, and the router's picture of them is current (their
+    reports reach it every ROUTING_STATS_PERIOD_S)."""
     deadline = time.monotonic() + 30
-    while len(replicas.snapshots()) < 2:
+    while len(replicas.summaries()) < 2:
         assert time.monotonic() < deadline, replicas.reports()
         time.sleep(0.1)
     time.sleep(3 * ROUTING_STATS_PERIOD_S)
