@@ -50,21 +50,23 @@ def replica_config() -> EngineConfig:
 def test_serve_command_with_two_replicas(offline):
     """`tandem serve --data-parallel-size 2` as a user starts it (its own Ray instance; run
     before this module starts one): answers as the offline API on one engine does, and /metrics
-    shows both replicas and their sum."""
+    shows both replicas and their sum. Two requests at once: the second goes to the idle
+    replica, so both count tokens."""
     extra = ("--data-parallel-size", "2", "--quantization", "none", "--max-model-len", "512")
-    with command_line("serve", MODEL, *extra) as (url, _):
-        r = _client(url).completions.create(
-            model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0
-        )
+    with command_line("serve", MODEL, *extra) as (url, _), ThreadPoolExecutor(2) as pool:
+        args = dict(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+        sent = [pool.submit(_client(url).completions.create, **args) for _ in range(2)]
+        r, r2 = (f.result() for f in sent)
         deadline = time.monotonic() + 30
         while len(replicas := _per_replica(url, "tandem_generation_tokens_total")) < 3:
             assert time.monotonic() < deadline, replicas
             time.sleep(0.5)
     params = SamplingParams(temperature=0, max_tokens=8)
     (want,) = offline.generate("The capital of France is", params, use_tqdm=False)
-    assert r.choices[0].text == want.outputs[0].text
+    assert r.choices[0].text == r2.choices[0].text == want.outputs[0].text
     total = replicas.pop("all")
-    assert len(replicas) == 2 and total == sum(replicas.values()) >= 8
+    assert len(replicas) == 2 and total == sum(replicas.values()) >= 16
+    assert all(n >= 8 for n in replicas.values()), replicas
 
 
 def test_bad_data_parallel_size_is_refused():
