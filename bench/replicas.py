@@ -139,9 +139,9 @@ def settled(replicas, period: float) -> Callable[[], list[dict]]:
 
 
 def measure(args) -> dict[str, Timings]:
+    from engine.entrypoints.async_engine import AsyncEngine
+    from engine.entrypoints.replicas import ROUTING_STATS_PERIOD_S, Replicas
     from engine.llm_engine import LLMEngine
-    from playground.async_engine import AsyncEngine
-    from playground.replicas import ROUTING_STATS_PERIOD_S, Replicas
 
     max_len = args.system_len + 16 + args.tokens + 16
     single = config(args.model, 2, args.blocks, max_len)

@@ -1,11 +1,13 @@
 """Tandem engine: paged KV cache, continuous batching, prefix caching.
 
-Layers: the engine's modules import nothing of spec/ (which builds on them) or of the web layer;
-`LLMEngine` loads its speculation when it is constructed.
+Layers: the core (engine/*.py, models/, grammar/, distributed/) imports nothing of spec/ (which
+builds on it), of its entry points (entrypoints/: the offline LLM, the async engine, the OpenAI
+server, replicas) or of the playground; `LLMEngine` loads its speculation when it is constructed.
+tests/engine/test_layers.py holds every package to this.
 """
 
 from engine.config import EngineConfig
-from engine.llm import LLM
+from engine.entrypoints.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams

@@ -90,9 +90,9 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
-    # Tensor parallelism (engine.tensor_parallel): the target's attention heads and MLP split
-    # over this many ranks, each a process with its heads' share of the KV cache, summed over
-    # torch.distributed (gloo, on CPU); quantized weights and LoRA adapters split with their
+    # Tensor parallelism (engine.distributed.tensor_parallel): the target's attention heads and MLP
+    # split over this many ranks, each a process with its heads' share of the KV cache, summed
+    # over torch.distributed (gloo, on CPU); quantized weights and LoRA adapters split with their
     # layers; a draft model runs whole on rank 0.
     tensor_parallel_size: int = 1
 

@@ -21,6 +21,7 @@ import torch
 from engine.backends import resolve_backend
 from engine.config import MAX_SPECULATIVE_TOKENS, EngineConfig
 from engine.detokenizer import ExactDecoder
+from engine.distributed.tensor_parallel import Workers
 from engine.errors import ParamError
 from engine.grammar.constraint import StructuredOutputs
 from engine.introspection import snapshot
@@ -32,7 +33,6 @@ from engine.pipeline import InFlight, Pipeline, may_overlap
 from engine.request import Request, RequestStatus, step_token_kinds
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.tensor_parallel import Workers
 from lora.adapter import LoRAAdapter, LoRARequest
 from lora.batch import LoRASlots
 from lora.registry import AdapterRegistry

@@ -219,8 +219,8 @@ class ModelRunner:
         # launched step's) for the next step's inputs.
         self.keep_sampled = False
         self.sampled: SampledTokens | None = None
-        # Tensor parallelism: the other ranks (engine.tensor_parallel.Workers), told of every
-        # forward's inputs and every block copy before this rank runs it.
+        # Tensor parallelism: the other ranks (engine.distributed.tensor_parallel.Workers), told of
+        # every forward's inputs and every block copy before this rank runs it.
         self.workers = None
 
     def use_graphs(self, max_num_seqs: int, max_model_len: int, max_query_len: int) -> None:

@@ -37,7 +37,8 @@ class CompletionOutput:
     token_kinds: str = ""
     # Drafts the target rejected: (index in token_ids of the token that replaced them, ids).
     rejected_drafts: list[tuple[int, list[int]]] = field(default_factory=list)
-    tool_calls: list | None = None  # engine.tools.ToolCall, set by LLM.chat when given tools
+    # engine.entrypoints.tools.ToolCall, set by LLM.chat when given tools
+    tool_calls: list | None = None
 
     @property
     def finished(self) -> bool:

@@ -57,8 +57,9 @@ class LoRASlots:
         self.last_used = [0] * (max_loras + 1)
         self.clock = 0
         self.num_loads = 0
-        # Tensor parallelism: shard(module, a, b) -> this rank's (a, b) (engine.tensor_parallel
-        # .shard_lora), and `placed`, the slot changes the other ranks have not been sent yet.
+        # Tensor parallelism: shard(module, a, b) -> this rank's (a, b)
+        # (engine.distributed.tensor_parallel.shard_lora), and `placed`, the slot changes the other
+        # ranks have not been sent yet.
         self.shard = None
         self.placed: list[tuple[int, LoRAAdapter | None]] | None = None
 

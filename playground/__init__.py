@@ -1,1 +1,1 @@
-"""Tandem playground package."""
+"""The `tandem` command line and the Gradio playground mounted on the OpenAI server."""

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from lora.adapter import LoRARequest
 
 if TYPE_CHECKING:
-    from playground.server import ServerState
+    from engine.entrypoints.openai.server import ServerState
 
 
 def add_server_args(parser: argparse.ArgumentParser, port: int) -> None:
@@ -116,14 +116,14 @@ def engine_config(args: argparse.Namespace, adapters: dict[str, LoRARequest]):
 
 
 def build_state(args: argparse.Namespace, adapters: dict[str, LoRARequest]) -> ServerState:
-    from playground.server import ServerState
+    from engine.entrypoints.openai.server import ServerState
 
     config = engine_config(args, adapters)
     if args.data_parallel_size != 1:
         engine = _replicas(args, config, adapters)
     else:
+        from engine.entrypoints.async_engine import AsyncEngine
         from engine.llm_engine import LLMEngine
-        from playground.async_engine import AsyncEngine
 
         llm = LLMEngine(config)
         for adapter in adapters.values():  # load now: a bad adapter fails at start, not later
@@ -141,12 +141,12 @@ def build_state(args: argparse.Namespace, adapters: dict[str, LoRARequest]) -> S
 
 
 def _replicas(args: argparse.Namespace, config, adapters: dict[str, LoRARequest]):
-    """--data-parallel-size N: N engines on Ray Serve (playground/replicas.py)."""
+    """--data-parallel-size N: N engines on Ray Serve (engine/entrypoints/replicas.py)."""
     n = args.data_parallel_size
     if not isinstance(n, int) or n < 1:
         raise SystemExit(f"--data-parallel-size must be >= 1, got {n!r}")
     try:
-        from playground.replicas import Replicas
+        from engine.entrypoints.replicas import Replicas
     except ImportError as exc:
         raise SystemExit(
             f"--data-parallel-size needs Ray Serve: pip install -e '.[distributed]' ({exc})"
@@ -163,7 +163,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 def run(state: ServerState, host: str, port: int, with_ui: bool) -> int:
     import uvicorn
 
-    from playground.server import build_app
+    from engine.entrypoints.openai.server import build_app
 
     app = build_app(state)
     if with_ui:

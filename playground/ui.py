@@ -13,11 +13,11 @@ from collections import namedtuple
 import gradio as gr
 from fastapi import FastAPI
 
-from engine.llm import chat_prompt_ids
+from engine.entrypoints.llm import chat_prompt_ids
+from engine.entrypoints.openai.server import ServerState
+from engine.entrypoints.tools import Tools, parse_tool_calls
 from engine.sampling_params import SamplingParams
-from engine.tools import Tools, parse_tool_calls
 from playground import views
-from playground.server import ServerState
 
 BASE = "(base model)"
 CONSTRAINTS = ["none", "json schema", "regex", "grammar (EBNF)", "choice"]
@@ -95,7 +95,7 @@ def constraint_from(kind: str, text: str) -> dict | None:
 
 def tools_from(mode: str, text: str, choice: str) -> Tools | None:
     """The tools box (OpenAI's JSON list; empty: none) and tool choice (auto, required, none, or
-    a function's name) -> engine.tools.Tools."""
+    a function's name) -> engine.entrypoints.tools.Tools."""
     text = (text or "").strip()
     if not text:
         return None

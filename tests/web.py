@@ -12,10 +12,10 @@ from contextlib import contextmanager
 import httpx
 
 from engine.config import EngineConfig
+from engine.entrypoints.async_engine import AsyncEngine
+from engine.entrypoints.openai.server import ServerState
 from engine.llm_engine import LLMEngine
-from playground.async_engine import AsyncEngine
 from playground.launch import free_port
-from playground.server import ServerState
 
 __all__ = ["API_KEY", "command_line", "make_state", "serving", "wait_idle"]
 API_KEY = "test-key-123"

@@ -29,7 +29,7 @@ class StructuredOutputs:
     - grammar: an EBNF grammar in xgrammar's (GBNF-like) syntax, start rule `root`;
     - choice: the output is exactly one of these strings;
     - structural_tag: an xgrammar structural tag (dict, or its JSON text): free text and tagged
-      parts whose content is constrained, e.g. tool calls (engine.tools builds them).
+      parts whose content is constrained, e.g. tool calls (engine.entrypoints.tools builds them).
 
     any_whitespace (JSON, and JSON schemas in a structural tag): False (the default) writes
     compact JSON with ", " and ": " separators, so fixed keys and punctuation become tokens the

@@ -96,7 +96,7 @@ def load_gguf_weights(
     """Fill `model` (built from the same checkpoint's config) with the GGUF's weights:
     projections, embedding and LM head quantized, the rest dense. split(name, weight[, bias]):
     a tensor-parallel rank's share of each projection, split.vocab(head) its LM head rows
-    (engine.tensor_parallel.Split)."""
+    (engine.distributed.tensor_parallel.Split)."""
     cfg: ModelConfig = model.config
     if cfg.mlp_bias:
         raise ValueError("GGUF models with MLP biases are not supported")

@@ -140,8 +140,8 @@ class DecoderLayer(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
         self.sliding_window = cfg.sliding_window or 0
         self.fused: tuple | None = None  # fuse()'s arguments for kernels/cpu/decode_layer.cpp
-        # Tensor parallelism (engine.tensor_parallel): sums o_proj's and down_proj's partial
-        # products over the ranks, in place; None on one rank.
+        # Tensor parallelism (engine.distributed.tensor_parallel): sums o_proj's and down_proj's
+        # partial products over the ranks, in place; None on one rank.
         self.all_reduce = None
 
     def fuse(self) -> bool:
@@ -229,7 +229,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_int8: torch.Tensor | None = None  # int8 copy (draft models)
         # The head's rows (a dense head is checked to this shape on load; a GGUF loader records
         # its file's). Tensor parallelism: this rank's head holds some of them, and
-        # gather_logits puts the ranks' logits side by side (engine.tensor_parallel).
+        # gather_logits puts the ranks' logits side by side (engine.distributed.tensor_parallel).
         self.lm_head_rows = cfg.vocab_size
         self.gather_logits = None
         self.lm_head_weight = (

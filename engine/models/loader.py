@@ -154,8 +154,8 @@ def load_model(
     linear weights to oneDNN's blocked layout (see `Linear.pack`); False keeps plain dense
     weights. int8: the draft models' int8 projections and LM head instead (lossy, see
     engine.models.quant), where the backend supports it. Both are CPU float32 layouts.
-    group: a tensor-parallel group (engine.tensor_parallel): the model is then this rank's
-    shard, split as the weights load, before they move or are packed.
+    group: a tensor-parallel group (engine.distributed.tensor_parallel): the model is then this
+    rank's shard, split as the weights load, before they move or are packed.
     """
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -174,7 +174,7 @@ def load_model(
             raise ValueError(f"model directory {str(path)!r} has no GGUF file")
         split = None
         if group is not None:
-            from engine.tensor_parallel import Split, shard_model
+            from engine.distributed.tensor_parallel import Split, shard_model
 
             split = Split(cfg, group.rank, group.world)
         load_gguf_weights(model, source, device, dtype, split)
@@ -192,7 +192,7 @@ def load_model(
             f"weights do not match the model: missing={missing} unexpected={unexpected}"
         )
     if group is not None:
-        from engine.tensor_parallel import shard_model
+        from engine.distributed.tensor_parallel import shard_model
 
         shard_model(model, group)
     if device.type != "cpu" or dtype != torch.float32:
@@ -270,7 +270,7 @@ def load_engine_models(config: EngineConfig, group=None) -> EngineModels:
     model, cfg, path = load_target(config, group)
     shard_cfg = cfg
     if group is not None:
-        from engine.tensor_parallel import local_config
+        from engine.distributed.tensor_parallel import local_config
 
         shard_cfg = local_config(cfg, group.world)
     tokenizer = AutoTokenizer.from_pretrained(str(path))

@@ -14,8 +14,8 @@ from tools_cases import ADD_TOOL, WEATHER_TOOL
 from web import API_KEY, make_state, serving, wait_idle
 
 from engine import LLM, SamplingParams
+from engine.entrypoints.openai.server import build_app
 from engine.models.registry import resolve_model
-from playground.server import build_app
 
 MODEL = "smollm2-135m-instruct"
 # A multiple-choice task: lm-eval scores each choice by the loglikelihood of " <choice>" after

@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 from web import serving, wait_idle
 
 from engine.config import EngineConfig
+from engine.entrypoints.async_engine import AsyncEngine
+from engine.entrypoints.openai.server import ServerState, build_app
 from engine.llm_engine import LLMEngine
-from playground.async_engine import AsyncEngine
-from playground.server import ServerState, build_app
 
 API_KEY = "fuzz-key"
 CANARY = {"prompt": "canary", "max_tokens": 6, "temperature": 0}

@@ -16,10 +16,10 @@ from tools_cases import ADD_TOOL
 from web import serving, wait_idle
 
 from engine.config import EngineConfig
+from engine.entrypoints.async_engine import AsyncEngine
+from engine.entrypoints.openai.server import ServerState, build_app
 from engine.llm_engine import LLMEngine
-from playground.async_engine import AsyncEngine
 from playground.demo_adapters import write_demo_adapters
-from playground.server import ServerState, build_app
 from playground.ui import mount_playground
 
 MODEL = "smollm2-135m-instruct"

@@ -11,7 +11,7 @@ import pytest
 from web import API_KEY, make_state, serving, wait_idle
 
 from engine import SamplingParams
-from playground.server import build_app
+from engine.entrypoints.openai.server import build_app
 
 MODEL = "smollm2-135m-instruct"
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}

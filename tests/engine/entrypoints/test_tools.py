@@ -11,8 +11,8 @@ from tools_cases import ADD_TOOL as ADD
 from tools_cases import SCHEMAS, TOOLS
 
 from engine import LLM, SamplingParams
+from engine.entrypoints.tools import ToolCallParser, Tools, parse_tool_calls, render_messages
 from engine.errors import ParamError
-from engine.tools import ToolCallParser, Tools, parse_tool_calls, render_messages
 
 
 @pytest.mark.parametrize(

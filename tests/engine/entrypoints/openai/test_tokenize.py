@@ -1,4 +1,4 @@
-"""vLLM's /tokenize and /detokenize on the SmolLM2 server (tests/playground/conftest.py)."""
+"""vLLM's /tokenize and /detokenize on the SmolLM2 server (tests/engine/entrypoints/conftest.py)."""
 
 from __future__ import annotations
 

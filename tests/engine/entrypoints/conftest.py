@@ -7,8 +7,8 @@ import pytest
 from web import API_KEY, make_state, serving
 
 from engine import LLM
+from engine.entrypoints.openai.server import build_app
 from playground.demo_adapters import write_demo_adapters
-from playground.server import build_app
 
 MODEL = "smollm2-135m-instruct"
 

@@ -19,17 +19,17 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from web import API_KEY, command_line, serving
 
-from engine.beam_search import BeamSearchParams
 from engine.config import EngineConfig
+from engine.entrypoints.beam_search import BeamSearchParams
+from engine.entrypoints.openai.server import ServerState, build_app
+from engine.entrypoints.routing import ReplicaView, Submission, prompt_hashes, rank
 from engine.sampling_params import SamplingParams
 from lora.adapter import LoRARequest
-from playground.routing import ReplicaView, Submission, prompt_hashes, rank
-from playground.server import ServerState, build_app
 
 ray = pytest.importorskip("ray", reason="the [distributed] extra (make test installs it)")
 from ray import serve  # noqa: E402
 
-from playground.replicas import ROUTING_STATS_PERIOD_S, Replicas  # noqa: E402
+from engine.entrypoints.replicas import ROUTING_STATS_PERIOD_S, Replicas  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 SYSTEM_TOKENS = 160  # 10 blocks of 16

@@ -7,7 +7,7 @@ import hmac
 
 from fastapi.responses import JSONResponse
 
-from playground.protocol import APIError
+from engine.entrypoints.openai.protocol import APIError
 
 
 def error_response(err: APIError) -> JSONResponse:

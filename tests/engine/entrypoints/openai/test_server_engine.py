@@ -12,8 +12,8 @@ import pytest
 from web import API_KEY, command_line, make_state, serving, wait_idle
 
 from engine import LLM, SamplingParams
+from engine.entrypoints.openai.server import build_app
 from lora.adapter import LoRARequest
-from playground.server import build_app
 
 
 @pytest.fixture(scope="module")

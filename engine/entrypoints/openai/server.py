@@ -18,16 +18,16 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from engine.llm import chat_prompt_ids
+from engine.entrypoints.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from engine.entrypoints.llm import chat_prompt_ids
+from engine.entrypoints.openai import protocol, responses
+from engine.entrypoints.openai.metrics import ServerMetrics
+from engine.entrypoints.openai.middleware import APIKeyCheck, BodySizeLimit, error_response
+from engine.entrypoints.openai.protocol import APIError
+from engine.entrypoints.openai.responses import Echo, ResponseContext
+from engine.entrypoints.tools import Tools
 from engine.outputs import RequestOutput
-from engine.tools import Tools
 from lora.adapter import LoRARequest
-from playground import protocol, responses
-from playground.async_engine import AsyncEngine, EngineDeadError, RequestStream
-from playground.metrics import ServerMetrics
-from playground.middleware import APIKeyCheck, BodySizeLimit, error_response
-from playground.protocol import APIError
-from playground.responses import Echo, ResponseContext
 
 _DISCONNECT_POLL_S = 0.2
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # request bodies past it get a 413

@@ -13,9 +13,9 @@ from web import serving
 
 from engine import LLM
 from engine.config import EngineConfig
+from engine.entrypoints.async_engine import AsyncEngine
+from engine.entrypoints.openai.server import ServerState, build_app
 from engine.llm_engine import LLMEngine
-from playground.async_engine import AsyncEngine
-from playground.server import ServerState, build_app
 
 
 def copy_model(src, dst):

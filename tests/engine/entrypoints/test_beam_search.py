@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM
-from engine.beam_search import BeamSearchParams
+from engine.entrypoints.beam_search import BeamSearchParams
 from engine.errors import ParamError
 
 PROMPTS = [[65, 66, 67, 68], [10, 20, 30], [100] * 20, list(range(40, 77))]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from web import wait_idle
 
-from engine.beam_search import BeamSearchParams
+from engine.entrypoints.beam_search import BeamSearchParams
 
 MODEL = "smollm2-135m-instruct"
 

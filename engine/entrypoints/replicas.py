@@ -4,8 +4,9 @@
 N `EngineReplica`s (each an engine in its own Ray actor process) and serves the usual FastAPI app
 in this process with `Replicas` where one engine's AsyncEngine would be: the server tokenizes,
 checks and answers as with one engine, and each request goes through a deployment handle whose
-router (playground/routing.py) picks the replica. Ray Serve restarts a replica that dies or fails
-its health check; the requests it was running end with an error (a 503 or an SSE error event).
+router (engine/entrypoints/routing.py) picks the replica. Ray Serve restarts a replica that dies
+or fails its health check; the requests it was running end with an error (a 503 or an SSE error
+event).
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ from ray.serve.config import RequestRouterConfig
 
 from engine.config import EngineConfig
 from engine.detokenizer import ExactDecoder
+from engine.entrypoints.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from engine.entrypoints.routing import Submission
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from lora.adapter import LoRARequest
-from playground.async_engine import AsyncEngine, EngineDeadError, RequestStream
-from playground.routing import Submission
 
 ROUTING_STATS_PERIOD_S = 0.5  # how often replicas report their caches and load
 
@@ -202,7 +203,8 @@ class Replicas:
             ray.init(include_dashboard=False, runtime_env=env, log_to_driver=False)
         serve.start(proxy_location="Disabled")
         router = RequestRouterConfig(
-            request_router_class="playground.routing:ReplicaRouter",  # imported where it runs
+            # a path: Ray imports the router where it runs
+            request_router_class="engine.entrypoints.routing:ReplicaRouter",
             request_router_kwargs={"block_size": config.block_size, "policy": policy},
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
             request_routing_stats_timeout_s=30,

@@ -1,4 +1,4 @@
-"""Tensor parallelism (engine.tensor_parallel) on CPU: two ranks over gloo, tiny models.
+"""Tensor parallelism (engine.distributed.tensor_parallel) on CPU: two ranks over gloo, tiny models.
 
 Greedy tokens must equal one rank's exactly (peaked random weights: the all-reduce's different
 summation order moves logits by float rounding, far below the gap between the top two tokens),
@@ -19,7 +19,7 @@ from web import API_KEY, command_line, make_state, serving
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from playground.server import build_app
+from engine.entrypoints.openai.server import build_app
 
 # Mixed lengths; the 60-token prompt is prefilled in chunks of 16, and 40 blocks of 4 tokens
 # cannot hold the batch at full length (preemption). The tiny model continues the two phrases
@@ -67,7 +67,7 @@ def test_logits_gather_pads_uneven_shares():
     import torch
     import torch.distributed as dist
 
-    from engine.tensor_parallel import TIMEOUT, Group, vocab_rows
+    from engine.distributed.tensor_parallel import TIMEOUT, Group, vocab_rows
 
     assert [vocab_rows(5, r, 2) for r in range(2)] == [(0, 3), (3, 5)]
     assert [vocab_rows(10, r, 3) for r in range(3)] == [(0, 4), (4, 8), (8, 10)]
@@ -89,7 +89,7 @@ def test_logits_gather_pads_uneven_shares():
 
 
 def is_worker(process: psutil.Process) -> bool:
-    return "from engine.tensor_parallel import worker" in " ".join(process.cmdline())
+    return "from engine.distributed.tensor_parallel import worker" in " ".join(process.cmdline())
 
 
 def assert_idle(llm) -> None:

@@ -7,12 +7,12 @@ from collections.abc import Iterator, Sequence
 
 from tqdm.auto import tqdm
 
-from engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from engine.config import EngineConfig
+from engine.entrypoints.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from engine.entrypoints.tools import Tools, parse_tool_calls, render_messages, template_knows_tools
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
-from engine.tools import Tools, parse_tool_calls, render_messages, template_knows_tools
 from lora.adapter import LoRARequest
 
 Prompt = str | list[int] | dict
@@ -35,7 +35,7 @@ def chat_prompt_ids(
 ) -> list[int]:
     """The token ids of a conversation in the model's chat template: ready for the reply, or
     (continue_final_message) open at the end of the last message, to be continued. tools:
-    the function tools the prompt shows (engine.tools.render_messages says how)."""
+    the function tools the prompt shows (engine.entrypoints.tools.render_messages says how)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; use generate()")
     knows_tools = template_knows_tools(tokenizer)
@@ -173,8 +173,8 @@ class LLM:
         tool_choice: str | dict | None = None,
         parallel_tool_calls: bool | None = None,
     ) -> list[RequestOutput]:
-        """tools, tool_choice, parallel_tool_calls: OpenAI's (engine.tools); each completion's
-        calls are then in its `tool_calls` (its text stays what the model wrote)."""
+        """tools, tool_choice, parallel_tool_calls: OpenAI's (engine.entrypoints.tools); each
+        completion's calls are then in its `tool_calls` (its text stays what the model wrote)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         spec = Tools.parse(tools, tool_choice, parallel_tool_calls)
         shown = spec.in_prompt if spec else None
@@ -190,8 +190,8 @@ class LLM:
     def beam_search(
         self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams
     ) -> list[BeamSearchOutput]:
-        """Beam search (engine.beam_search: HF's rule; beams share KV blocks copy-on-write):
-        per prompt, params.beam_width sequences, best first."""
+        """Beam search (engine.entrypoints.beam_search: HF's rule; beams share KV blocks
+        copy-on-write): per prompt, params.beam_width sequences, best first."""
         prompts, _ = self._normalize(prompts, None)
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
         try:  # (each prompt's first beam is checked as every request is; a refusal aborts all)

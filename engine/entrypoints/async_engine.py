@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from engine.entrypoints.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from engine.introspection import summary
 from engine.llm_engine import LLMEngine
 from engine.outputs import OutputAccumulator, RequestOutput
@@ -270,8 +270,8 @@ class AsyncEngine:
     async def beam_search(
         self, prompts: list[list[int]], params: BeamSearchParams
     ) -> list[BeamSearchOutput]:
-        """Run a beam search (engine.beam_search) on the loop; ValueError if the engine refuses
-        it. Cancelling the caller aborts its beams."""
+        """Run a beam search (engine.entrypoints.beam_search) on the loop; ValueError if the engine
+        refuses it. Cancelling the caller aborts its beams."""
         done: asyncio.Future = asyncio.get_running_loop().create_future()
 
         def start() -> None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.beam_search import BeamSearchParams
-from engine.llm import chat_prompt_ids
+from engine.entrypoints.beam_search import BeamSearchParams
+from engine.entrypoints.llm import chat_prompt_ids
 from engine.sampling_params import SamplingParams
 
 
@@ -267,7 +267,7 @@ def include_usage(body: dict) -> bool:
 
 def check_messages(messages: list) -> list[dict]:
     """Chat messages with their content as text; an assistant's tool_calls and a tool result's
-    tool_call_id are kept (engine.tools.render_messages checks the calls)."""
+    tool_call_id are kept (engine.entrypoints.tools.render_messages checks the calls)."""
     if not messages:
         raise APIError("messages must be a non-empty array", "messages")
     out = []

@@ -16,7 +16,7 @@ the same way by whole groups of 32 inputs (`Split`), and a LoRA update x A B wit
 
 Rank 0 is the engine's own process: it schedules, owns the block tables (one set for every
 rank: a block id names the same positions in each rank's share of the cache) and samples.
-Ranks 1..N-1 are worker processes (`engine.tensor_parallel.worker`) that load the same
+Ranks 1..N-1 are worker processes (`engine.distributed.tensor_parallel.worker`) that load the same
 checkpoint, keep their shard, and then follow rank 0: before each forward rank 0 broadcasts the
 step's flat inputs (token ids, positions, block tables; each rank builds its attention metadata
 from them) with the adapter slots that changed since the last, and before each copy-on-write
@@ -222,7 +222,7 @@ class Workers:
         path = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
         for rank, log in enumerate(self._logs, start=1):
-            main = f"from engine.tensor_parallel import worker; worker({store.port}, {rank})"
+            main = f"from {__name__} import worker; worker({store.port}, {rank})"
             argv = [sys.executable, "-c", main]
             proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=log, stderr=log, env=env)
             proc.stdin.write(pickle.dumps((config, world)))
