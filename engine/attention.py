@@ -10,7 +10,7 @@ chunks) are attended one request at a time.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -69,8 +69,8 @@ class DecodeBatch:
 @dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64
-    buckets: list[QueryBucket]
-    prefills: list[PrefillSpan]
+    buckets: list[QueryBucket] = field(default_factory=list)
+    prefills: list[PrefillSpan] = field(default_factory=list)
     varlen: VarlenBatch | None = None  # set for the Triton backend (then no buckets, prefills)
     decode: DecodeBatch | None = None  # set for fused CPU decode (then no buckets)
 
@@ -116,11 +116,10 @@ def _bucket(
     block_size: int,
     sliding_window: int | None,
 ) -> QueryBucket:
-    num_blocks = [-(-seq_lens[i] // block_size) for i in members]
-    tables = padded_rows(
-        [block_tables[i][:n] for i, n in zip(members, num_blocks, strict=True)], num_blocks[0]
+    tables = _padded_tables(
+        [block_tables[i] for i in members], [seq_lens[i] for i in members], block_size
     ).long()
-    key_pos = torch.arange(num_blocks[0] * block_size)[None, :, None]  # [1, L, 1]
+    key_pos = torch.arange(tables.shape[1] * block_size)[None, :, None]  # [1, L, 1]
     lens = host_tensor([seq_lens[i] for i in members])[:, None, None]  # [n, 1, 1]
     q_pos = lens - num_queries + torch.arange(num_queries)[None, None, :]  # [n, 1, Q]
     visible = key_pos <= q_pos
@@ -150,16 +149,11 @@ def build_metadata(
             decode = _decode_batch(
                 short, seq_lens, query_lens, block_tables, slot_mapping, block_size, sliding_window
             )
-            return AttentionMetadata(slot_mapping, [], [], decode=decode)
+            return AttentionMetadata(slot_mapping, decode=decode)
     if backend == "triton":
-        return AttentionMetadata(
-            slot_mapping, [], [], _varlen(seq_lens, query_lens, block_tables, block_size)
-        )
-    row_starts, row = [], 0
-    for n in query_lens:
-        row_starts.append(row)
-        row += n
-
+        varlen = _varlen(seq_lens, query_lens, block_tables, block_size)
+        return AttentionMetadata(slot_mapping, varlen=varlen)
+    row_starts = [0, *itertools.accumulate(query_lens)]
     by_query_len: dict[int, list[int]] = {}
     prefills = []
     for i, (num_tokens, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
@@ -219,8 +213,7 @@ def _decode_batch(
         return DecodeBatch(
             tables.long(), host_tensor(row_tables), host_tensor(row_lens), slot_mapping
         )
-    in_short = set(short)
-    long = [i for i in range(len(query_lens)) if i not in in_short]
+    long = [i for i, n in enumerate(query_lens) if n > MAX_BATCHED_QUERY_LEN]
     other_rows = host_tensor([r for i in long for r in range(row_starts[i], row_starts[i + 1])])
     rows_t = host_tensor(rows)
     other = build_metadata(

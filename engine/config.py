@@ -99,7 +99,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         check_rules(self, _RULES, lambda _, message: ValueError(message))
         if self.tensor_parallel_size > 1:
-            self._check_tensor_parallel()
+            tp = f"tensor_parallel_size={self.tensor_parallel_size}"
+            if self.async_scheduling:
+                raise ValueError(f"{tp} does not support async_scheduling=True yet")
+            if self.torch_device.type != "cpu":
+                raise ValueError(f"{tp} runs on CPU (gloo) so far, got device={self.device!r}")
         if self.speculative_method == "draft" and not self.draft_model:
             raise ValueError("speculative_method='draft' needs draft_model")
         if self.draft_model == "self" and self.quantization not in ("auto", None):
@@ -121,13 +125,6 @@ class EngineConfig:
             )
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={self.device!r} but torch sees no CUDA device")
-
-    def _check_tensor_parallel(self) -> None:
-        tp = f"tensor_parallel_size={self.tensor_parallel_size}"
-        if self.async_scheduling:
-            raise ValueError(f"{tp} does not support async_scheduling=True yet")
-        if self.torch_device.type != "cpu":
-            raise ValueError(f"{tp} runs on CPU (gloo) so far, got device={self.device!r}")
 
     @property
     def torch_device(self) -> torch.device:

@@ -127,9 +127,7 @@ class GraphRunner:
         num_tokens = num_reqs * q
         meta = AttentionMetadata(
             self.slot_mapping[:num_tokens],
-            [],
-            [],
-            VarlenBatch(
+            varlen=VarlenBatch(
                 self.query_start_loc[q][: num_reqs + 1],
                 self.seq_lens[:num_reqs],
                 self.block_tables[:num_reqs],

@@ -74,7 +74,7 @@ class IncrementalDetokenizer:
             return None
         new_text = full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        search_from = max(0, len(self.text) - max((len(s) for s in self.stop), default=0))
+        search_from = max(0, len(self.text) - self.hold_back - 1)
         self.text += new_text
         return self._check_stop(search_from) if check_stop else None
 

@@ -9,7 +9,6 @@ from engine.request import Request
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
         self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.block_tables: dict[Request, list[int]] = {}
         self.num_query_tokens = 0  # prompt tokens looked up in the prefix cache
@@ -33,7 +32,7 @@ class KVCacheManager:
     def find_prefix(self, request: Request) -> list[int]:
         """Longest run of cached full blocks. The last token is always left to compute, since
         its logits are needed: only blocks within the first num_tokens - 1 tokens count."""
-        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+        if not self.pool.enable_caching or request.params.prompt_logprobs is not None:
             return []
         hashes = request.full_block_hashes()
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -86,7 +85,7 @@ class KVCacheManager:
         to compute when it allocates them, so that a request admitted later in the same step
         shares them: each layer stores the whole batch's K/V before any attention reads it.
         A block is offered once: one whose tokens another block holds already stays private."""
-        if not self.enable_prefix_caching:
+        if not self.pool.enable_caching:
             return
         table = self.block_tables.get(request, [])
         if num_tokens is None:
@@ -133,10 +132,8 @@ class KVCacheManager:
 
     def num_draft_ready(self, blocks: list[int]) -> int:
         """Leading blocks of a prefix hit whose draft KV is valid."""
-        n = 0
-        while n < len(blocks) and self.pool.draft_ready[blocks[n]]:
-            n += 1
-        return n
+        ready = self.pool.draft_ready
+        return next((i for i, b in enumerate(blocks) if not ready[b]), len(blocks))
 
     def trim(self, request: Request) -> None:
         """Free the blocks past the request's computed tokens (slots of rejected drafts)."""

@@ -368,7 +368,10 @@ class LLMEngine:
             logprobs = result.logprobs.get(request) or [None] * len(tokens)
             kinds, rejected = result.kinds.get(request, "p"), result.rejected.get(request, [])
             for token, lp, kind in zip(tokens, logprobs, kinds, strict=True):
-                if self._append(group, request, token, lp, kind, rejected):
+                self.num_generated_tokens += 1
+                status = group.append(request, token, lp, kind, rejected, self.grammar)
+                if status is not None:
+                    self.scheduler.finish(request, status)
                     ended.append(group)
                     break  # finished: later tokens of a multi-token step are dropped
                 if request.error:
@@ -377,14 +380,6 @@ class LLMEngine:
             if group.finished:
                 self.groups.pop(group.request_id, None)
         return list(touched.values())
-
-    def _append(self, group: RequestGroup, request: Request, token, lp, kind, rejected) -> bool:
-        """Append one token and check stop conditions; True when the request finished."""
-        self.num_generated_tokens += 1
-        status = group.append(request, token, lp, kind, rejected, self.grammar)
-        if status is not None:
-            self.scheduler.finish(request, status)
-        return status is not None
 
     def snapshot(self) -> dict:
         return snapshot(self)

@@ -424,8 +424,7 @@ class ModelRunner:
         pending.device.tokens, pending.device.num_accepted = verify.tokens, verify.num_accepted
         # Logprobs of every row of the requests that ask (where each walk ends is not known
         # yet), each for the token the walk emits there; resolve() keeps the rows it reached.
-        members = pending.members
-        slow = pending.slow
+        members, slow = pending.members, pending.slow
         asking = [(k, i) for k, i in enumerate(slow) if members[i].params.logprobs is not None]
         if not asking:
             return
@@ -451,7 +450,6 @@ class ModelRunner:
         for item in items:
             request, n, start = item.request, len(item.token_ids), item.start
             num_top = request.params.prompt_logprobs
-            rows_end = start_row + n
             # (After a preemption the prompt is computed again; the group keeps only the
             # positions it lacks.)
             if num_top is not None and start < request.num_prompt_tokens:
@@ -466,4 +464,4 @@ class ModelRunner:
                     top = TopLogprobs.gather(lp, emitted, num_top)
                     pending.device.prompt_logprobs.append(top)
                     pending.prompt.append(PromptAsk(request, start, targets, num_top))
-            start_row = rows_end
+            start_row += n

@@ -47,7 +47,6 @@ class CompletionOutput:
 
 # What of one completion a stream has already carried: (characters, tokens, its finish).
 Sent = tuple[int, int, bool]
-NOTHING_SENT: Sent = (0, 0, False)
 
 
 def advance(sent: Sent, num_chars: int, num_tokens: int, finished: bool) -> Sent | None:
@@ -194,17 +193,12 @@ class RequestGroup:
         ]
         self.histories = [CompletionHistory() for _ in requests]
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
-        self.sent: list[Sent] = [NOTHING_SENT] * len(requests)  # DELTA: per completion
+        self.sent: list[Sent] = [(0, 0, False)] * len(requests)  # DELTA: per completion
         self.sent_prompt_logprobs = False
 
     @property
     def finished(self) -> bool:
         return all(r.is_finished for r in self.requests)
-
-    @property
-    def failed(self) -> Request | None:
-        """The request whose own processing failed (Request.fail), if one did."""
-        return next((r for r in self.requests if r.error), None)
 
     def append(
         self, request: Request, token: int, logprobs, kind: str, rejected: list[int], grammar
@@ -227,7 +221,7 @@ class RequestGroup:
             request.fail("grammar", exc)
             return None
         if logprobs is not None:  # decoded once here: outputs repeat them, step after step
-            history.logprobs.append(self.decode_logprobs(logprobs))
+            history.logprobs.append(decode_logprobs(self._decode, logprobs))
             history.cumulative_logprob += logprobs[token][0]
         try:
             return check_stop(request, token, self.detokenizers[request.index], terminated)
@@ -235,16 +229,13 @@ class RequestGroup:
             request.fail("detokenizer", exc)
             return None
 
-    def decode_logprobs(self, raw: dict[int, tuple[float, int]]) -> PositionLogprobs:
-        return decode_logprobs(self._decode, raw)
-
     def add_prompt_logprobs(self, first: int, raw: list[dict[int, tuple[float, int]]]) -> None:
         """The prompt's logprobs at positions first, first + 1, ...: those not recorded yet (a
         preempted request computes its prompt again)."""
         recorded = self.histories[0].prompt_logprobs
         if first > len(recorded):
             raise RuntimeError(f"prompt logprobs from position {first}, {len(recorded)} recorded")
-        recorded.extend(map(self.decode_logprobs, raw[len(recorded) - first :]))
+        recorded.extend(decode_logprobs(self._decode, r) for r in raw[len(recorded) - first :])
 
     def make_output(self, with_spec: bool) -> RequestOutput | None:
         """The group's output after a step that touched it, as its output_kind asks: everything
@@ -267,7 +258,7 @@ class RequestGroup:
                 self.sent[request.index] = sent
             history = self.histories[request.index]
             completions.append(completion(request, history, detok.text[chars:visible], tokens))
-        leader, failed = self.leader, self.failed
+        leader, failed = self.leader, next((r for r in self.requests if r.error), None)
         prompt_lps = None
         if leader.params.prompt_logprobs is not None and not self.sent_prompt_logprobs:
             prompt_lps = [None, *self.histories[0].prompt_logprobs]

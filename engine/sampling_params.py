@@ -15,7 +15,6 @@ MAX_N = 64  # completions per prompt (the engine also caps n at max_num_seqs)
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024  # per stop string
 MAX_TOKEN_ID_LIST = 1024  # stop_token_ids and logit_bias entries
-SEED_RANGE = (-(2**63), 2**63)
 
 _EPS = 1e-5
 
@@ -62,9 +61,7 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and not isinstance(v, str | list | tuple):
                 raise ParamError(name, f"{name} must be a list (or None), got {v!r}")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
@@ -93,9 +90,7 @@ class SamplingParams:
 
     def with_output_kind(self, kind: RequestOutputKind) -> SamplingParams:
         """A copy that differs only in output_kind (the caller's object stays as it is)."""
-        copy = replace(self)  # __post_init__ normalised every field already
-        copy.output_kind = kind
-        return copy
+        return replace(self, output_kind=kind)
 
     @property
     def is_greedy(self) -> bool:
@@ -141,7 +136,7 @@ _RULES: list[Rule] = [
     ("min_p", number_in(0.0, 1.0), "must be in [0, 1]"),
     (
         "seed",
-        int_in(SEED_RANGE[0], SEED_RANGE[1] - 1, optional=True),
+        int_in(-(2**63), 2**63 - 1, optional=True),
         "must be an integer in [-2**63, 2**63) or None",
     ),
     ("max_tokens", int_in(1, optional=True), "must be an integer >= 1 or None"),
@@ -174,10 +169,7 @@ def _logit_bias(bias) -> dict[int, float]:
     if not isinstance(bias, dict):
         raise bad(bias, "must be a dict {token_id: bias}")
     if len(bias) > MAX_TOKEN_ID_LIST:
-        raise ParamError(
-            "logit_bias",
-            f"logit_bias takes at most {MAX_TOKEN_ID_LIST} entries, got {len(bias)}",
-        )
+        raise bad(len(bias), f"takes at most {MAX_TOKEN_ID_LIST} entries")
     fixed = {}
     for k, v in bias.items():
         if isinstance(k, str) and k.isdigit():

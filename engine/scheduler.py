@@ -149,8 +149,6 @@ class Scheduler:
 
     def _lora_fits(self, request: Request, loras: tuple[set, set]) -> bool:
         """Its adapters (target's, draft's) are in this step already or still have a slot."""
-        if request.lora is None and request.draft_lora is None:
-            return True
         for adapter, taken in zip((request.lora, request.draft_lora), loras, strict=True):
             full = self.max_loras is None or len(taken) >= self.max_loras
             if adapter is not None and id(adapter) not in taken and full:
@@ -159,8 +157,6 @@ class Scheduler:
 
     @staticmethod
     def _take_loras(request: Request, loras: tuple[set, set]) -> None:
-        if request.lora is None and request.draft_lora is None:
-            return
         for adapter, taken in zip((request.lora, request.draft_lora), loras, strict=True):
             if adapter is not None:
                 taken.add(id(adapter))

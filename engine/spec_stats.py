@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 
 @dataclass
@@ -13,7 +13,7 @@ class SpecStats:
     num_forced: int = 0  # drafts that were forced tokens (e.g. by a grammar), not proposals
     num_forced_accepted: int = 0
     # Per request: its share of step time (draft passes by its drafts, the target's forward and
-    # verification by its rows). The engine's own totals are LLMEngine.spec_time.
+    # verification by its rows). The engine's own totals are Speculation.seconds.
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
     drafted_at: list[int] = field(default_factory=list)  # [j]: steps with a draft at position j
@@ -23,18 +23,14 @@ class SpecStats:
     def merged(cls, parts) -> SpecStats:
         total = cls()
         for part in parts:
-            total.num_steps += part.num_steps
-            total.num_drafts += part.num_drafts
-            total.num_accepted += part.num_accepted
-            total.num_forced += part.num_forced
-            total.num_forced_accepted += part.num_forced_accepted
-            total.draft_seconds += part.draft_seconds
-            total.target_seconds += part.target_seconds
-            for name in ("drafted_at", "accepted_at"):
-                mine, theirs = getattr(total, name), getattr(part, name)
-                mine += [0] * (len(theirs) - len(mine))
-                for j, v in enumerate(theirs):
-                    mine[j] += v
+            for f in fields(cls):
+                mine, theirs = getattr(total, f.name), getattr(part, f.name)
+                if isinstance(mine, list):  # drafted_at, accepted_at: summed by position
+                    mine += [0] * (len(theirs) - len(mine))
+                    for j, v in enumerate(theirs):
+                        mine[j] += v
+                else:
+                    setattr(total, f.name, mine + theirs)
         return total
 
     def record(self, num_drafts: int, num_accepted: int, num_forced: int = 0) -> None:
@@ -49,10 +45,9 @@ class SpecStats:
         self.num_accepted += num_accepted
         self.num_forced += num_forced
         self.num_forced_accepted += min(num_forced, num_accepted)
-        grow = num_drafts - len(self.drafted_at)
-        if grow > 0:
-            self.drafted_at += [0] * grow
-            self.accepted_at += [0] * grow
+        grow = num_drafts - len(self.drafted_at)  # ([0] * a negative count is [])
+        self.drafted_at += [0] * grow
+        self.accepted_at += [0] * grow
         for j in range(num_drafts):
             self.drafted_at[j] += 1
             self.accepted_at[j] += j < num_accepted
@@ -71,17 +66,8 @@ class SpecStats:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at, strict=True)]
 
     def as_dict(self) -> dict:
-        return {
-            "num_steps": self.num_steps,
-            "num_drafts": self.num_drafts,
-            "num_accepted": self.num_accepted,
-            "num_forced": self.num_forced,
-            "num_forced_accepted": self.num_forced_accepted,
-            "draft_seconds": self.draft_seconds,
-            "target_seconds": self.target_seconds,
+        return asdict(self) | {
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_length": self.mean_accepted_length,
             "acceptance_by_position": self.acceptance_by_position,
-            "drafted_at": list(self.drafted_at),
-            "accepted_at": list(self.accepted_at),
         }
