@@ -7,12 +7,14 @@ tests/engine/test_layers.py holds every package to this.
 """
 
 from engine.config import EngineConfig
+from engine.entrypoints.beam_search import BeamSearchParams
 from engine.entrypoints.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = [
+    "BeamSearchParams",
     "LLM",
     "CompletionOutput",
     "EngineConfig",

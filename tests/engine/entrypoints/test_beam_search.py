@@ -10,8 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import LLM
-from engine.entrypoints.beam_search import BeamSearchParams
+from engine import LLM, BeamSearchParams
 from engine.errors import ParamError
 
 PROMPTS = [[65, 66, 67, 68], [10, 20, 30], [100] * 20, list(range(40, 77))]
