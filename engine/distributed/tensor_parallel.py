@@ -10,9 +10,8 @@ whole on every rank. Embedding and norms are replicated: after the last layer ev
 the same hidden states. The LM head is split by vocabulary rows: each rank computes its share of
 the logits for the rows rank 0 asks for, and a gather to rank 0 makes them whole (a replicated
 head on rank 0 alone was 28% of a 0.5B model's weights, read every step by one rank while the
-others waited; bench/RESULTS.md). Quantized weights split
-the same way by whole groups of 32 inputs (`Split`), and a LoRA update x A B with its layer
-(`shard_lora`).
+others waited; bench/RESULTS.md). Quantized weights split the same way by whole groups of 32
+inputs (`Split`), and a LoRA update x A B with its layer (`shard_lora`).
 
 Rank 0 is the engine's own process: it schedules, owns the block tables (one set for every
 rank: a block id names the same positions in each rank's share of the cache) and samples.
@@ -187,7 +186,7 @@ def shard_lora(
     module is: a column-split module keeps its output columns of B; a row-split one (o_proj,
     down_proj) its input rows of A, so x_r A_r B is this rank's partial sum of x A B, and the
     all-reduce that completes the base projection completes the update with it."""
-    if module in ("o_proj", "down_proj"):
+    if module in Split.ROW_SPLIT:
         return a.chunk(world, 0)[rank].contiguous(), b
     return a, b.chunk(world, 1)[rank].contiguous()
 
