@@ -47,7 +47,6 @@ def trace_step(engine) -> dict:
         engine.step()
     finally:
         sys.setprofile(None)
-    step_key = next(k for k in seen if k[1] == "LLMEngine.step")
     files = {f for f, _ in seen}
     return {
         "functions": len(seen),
@@ -58,7 +57,6 @@ def trace_step(engine) -> dict:
             (Path(f).relative_to(ROOT).as_posix(), sum(n for (g, _), n in seen.items() if g == f))
             for f in files
         ),
-        "step_lines": seen[step_key],
     }
 
 
