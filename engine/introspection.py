@@ -60,7 +60,7 @@ def snapshot(engine) -> dict:
                 "num_computed_tokens": request.num_computed_tokens,
                 "num_cached_tokens": max(0, request.num_cached_tokens),
                 "block_table": list(table),
-                "spec": request.spec.as_dict() | {"k": engine.speculation.wanted.get(request, 0)},
+                "spec": engine.speculation.describe_request(request),
                 "constraint": request.grammar.kind if request.grammar is not None else None,
                 "lora": request.lora.name if request.lora is not None else None,
             }

@@ -237,8 +237,8 @@ class LLMEngine:
             self._undelivered = touched
             raise
         groups = list({id(g): g for g in touched}.values())
-        with_spec = self.speculation.active
-        return [out for g in groups if (out := g.make_output(with_spec)) is not None]
+        spec_of = self.speculation.of_group if self.speculation.active else None
+        return [out for g in groups if (out := g.make_output(spec_of)) is not None]
 
     def _step(self, touched: list[RequestGroup]) -> None:
         """One step's work; the groups it touches go into `touched` as soon as they are."""

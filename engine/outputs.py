@@ -4,13 +4,17 @@ that builds them from its completions' state."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from engine.detokenizer import ExactDecoder, IncrementalDetokenizer
 from engine.request import FINISH_REASONS, Request, RequestStatus
 from engine.sampling_params import RequestOutputKind
-from engine.spec_stats import SpecStats
 from engine.stop import check_stop
+
+if TYPE_CHECKING:
+    from spec.stats import SpecStats
 
 
 @dataclass(slots=True)
@@ -237,11 +241,13 @@ class RequestGroup:
             raise RuntimeError(f"prompt logprobs from position {first}, {len(recorded)} recorded")
         recorded.extend(decode_logprobs(self._decode, r) for r in raw[len(recorded) - first :])
 
-    def make_output(self, with_spec: bool) -> RequestOutput | None:
+    def make_output(
+        self, spec_of: Callable[[list[Request]], SpecStats] | None
+    ) -> RequestOutput | None:
         """The group's output after a step that touched it, as its output_kind asks: everything
         so far (CUMULATIVE), what is new (DELTA: completions with nothing new are left out),
-        or nothing until it has finished (FINAL_ONLY). with_spec: the engine speculates, so
-        metrics carry the group's speculation counters."""
+        or nothing until it has finished (FINAL_ONLY). spec_of: the speculation's counters
+        summed over given requests (None: the engine does not speculate), for the metrics."""
         finished = self.finished
         kind = self.leader.params.output_kind
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
@@ -268,8 +274,7 @@ class RequestGroup:
             metrics.finished_time = time.monotonic()
         metrics.num_cached_tokens = max(0, leader.num_cached_tokens)
         metrics.num_preemptions = sum(r.num_preemptions for r in self.requests)
-        if with_spec:
-            metrics.spec = SpecStats.merged(r.spec for r in self.requests)
+        metrics.spec = spec_of(self.requests) if spec_of else None
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,

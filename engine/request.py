@@ -11,7 +11,6 @@ import torch
 from engine.block_pool import extend_block_hashes
 from engine.errors import RequestError
 from engine.sampling_params import SamplingParams
-from engine.spec_stats import SpecStats
 
 if TYPE_CHECKING:
     from engine.grammar.matcher import RequestGrammar
@@ -109,10 +108,9 @@ class Request(TokenHistory):
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed + 1_000_003 * index)
         self.siblings: list[Request] = []  # n > 1: requests forked from this leader
-        # Speculation (a step's drafts live on its SchedulerOutput): num_draft_computed, tokens
-        # whose KV the draft model holds (it may lag the target); spec, its counters.
+        # Tokens whose KV the draft model holds (it may lag the target); a step's drafts live on
+        # its SchedulerOutput, the speculation counters in spec/.
         self.num_draft_computed = 0
-        self.spec = SpecStats()
         self.grammar: RequestGrammar | None = None  # set when params.structured_outputs is
         self.lora: LoRAAdapter | None = None  # the request's adapter (target model)
         self.draft_lora: LoRAAdapter | None = None  # the draft model's adapter, if any

@@ -3,9 +3,9 @@ request asks for, fill the slots the scheduler granted (forced tokens first, the
 drafts, cut where a grammar refuses), and account for what verification accepted.
 
 Per step: `plan` before scheduling, `propose` once scheduled, `observe_step` and `record` once
-the step's verdicts are on the host. Counters: `stats` (engine-wide), `by_adapter`,
-`seconds` (draft passes, and the target's forward plus verification), each request's own
-`Request.spec`; the adaptive planner's per-request acceptance history is kept here.
+the step's verdicts are on the host. Counters (spec.stats.SpecStats): `stats` (engine-wide),
+`by_adapter`, each request's own (`of`), and `seconds` (draft passes, and the target's forward
+plus verification); the adaptive planner's per-request acceptance history is kept here too.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from engine.config import MAX_SPECULATIVE_TOKENS, EngineConfig
 from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
-from engine.spec_stats import SpecStats
 from spec.adaptive import Acceptance, AdaptiveSpeculation
 from spec.draft_model import DraftModelProposer
 from spec.proposer import ForcedTokens, NgramProposer, Proposer
+from spec.stats import SpecStats
 
 
 class Speculation:
@@ -33,6 +33,7 @@ class Speculation:
         self.by_adapter: dict[str, SpecStats] = {}
         self.seconds = {"draft": 0.0, "verify": 0.0}
         self._acceptance: WeakKeyDictionary[Request, Acceptance] = WeakKeyDictionary()
+        self._by_request: WeakKeyDictionary[Request, SpecStats] = WeakKeyDictionary()
         self.wanted: dict[Request, int] = {}  # the last plan's draft slots per request
         self._forced: dict[Request, list[int]] = {}  # the last plan's forced tokens
 
@@ -48,6 +49,17 @@ class Speculation:
             self.proposer.logits_masker = grammar.mask
         if forced_tokens and self.forced_tokens is None:
             self.forced_tokens = grammar
+
+    def of(self, request: Request) -> SpecStats:
+        """The request's own counters."""
+        own = self._by_request.get(request)
+        if own is None:
+            own = self._by_request[request] = SpecStats()
+        return own
+
+    def of_group(self, requests: list[Request]) -> SpecStats:
+        """The counters summed over a group's completions (its output's metrics.spec)."""
+        return SpecStats.merged(map(self.of, requests))
 
     def acceptance(self, request: Request) -> Acceptance:
         """The request's decayed verification outcomes (adaptive speculation plans with them)."""
@@ -150,13 +162,14 @@ class Speculation:
         pass_times.clear()
         for request, n, k in sched.scheduled():
             if not request.is_finished:
-                request.spec.draft_seconds += (t1 - t0) * k / num_drafts if num_drafts else 0.0
-                request.spec.target_seconds += (t2 - t1) * n / num_tokens
+                own = self.of(request)
+                own.draft_seconds += (t1 - t0) * k / num_drafts if num_drafts else 0.0
+                own.target_seconds += (t2 - t1) * n / num_tokens
 
     def record(self, request: Request, num_drafts: int, num_forced: int, num_accepted: int) -> None:
         """One verification of the request's drafts (the first num_forced of them forced):
         counters, and the adaptive planner's acceptance history."""
-        request.spec.record(num_drafts, num_accepted, num_forced)
+        self.of(request).record(num_drafts, num_accepted, num_forced)
         self.stats.record(num_drafts, num_accepted, num_forced)
         if request.lora is not None:  # acceptance per adapter
             by_adapter = self.by_adapter.setdefault(request.lora.name, SpecStats())
@@ -166,6 +179,10 @@ class Speculation:
             self.adaptive.observe_verification(
                 self.acceptance(request), num_drafts - num_forced, num_accepted - num_forced
             )
+
+    def describe_request(self, request: Request) -> dict:
+        """For a request's entry in the engine's snapshot: its counters and its planned k."""
+        return self.of(request).as_dict() | {"k": self.wanted.get(request, 0)}
 
     def describe(self, method: str) -> dict:
         """For the engine's snapshot."""

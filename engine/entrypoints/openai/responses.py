@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from engine.entrypoints.beam_search import BeamSearchOutput
 from engine.entrypoints.tools import ToolCallParser, parse_tool_calls
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
-from engine.spec_stats import SpecStats
+from spec.stats import SpecStats
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Speculation counters, kept per request and summed per engine."""
+"""Speculation counters: per request, per adapter and per engine (spec.speculation keeps them)."""
 
 from __future__ import annotations
 
