@@ -242,10 +242,10 @@ class LLMEngine:
 
     def _step(self, touched: list[RequestGroup]) -> None:
         """One step's work; the groups it touches go into `touched` as soon as they are."""
-        pipeline = self.pipeline
+        pipeline, spec = self.pipeline, self.speculation
         if pipeline.must_land:
             touched += self._collect(pipeline.take())
-        wanted = self.speculation.plan(self.scheduler.running)
+        wanted = spec.plan(self.scheduler.running) if spec.active else None
         sched = self.scheduler.schedule(wanted)
         if sched.requests:
             launched = self._launch(sched)
@@ -296,7 +296,8 @@ class LLMEngine:
             raise
         step.count_landed()
         sched = step.sched
-        self.speculation.observe_step(sched, step.t0, step.t1, time.perf_counter())
+        if self.speculation.active:
+            self.speculation.observe_step(sched, step.t0, step.t1, time.perf_counter())
         for request, _, k in sched.scheduled():
             if request.is_finished:
                 continue

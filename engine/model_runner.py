@@ -252,7 +252,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, items: list[ForwardItem], tables: dict[Request, list[int]]) -> torch.Tensor:
         """Run every item's tokens in one flat batch; returns hidden states [sum(len), hidden]."""
-        token_slots = self._token_slots(items)
+        token_slots = self._token_slots(items) if self.lora_slots is not None else None
         lora = token_slots and self.backend.lora_batch(self.lora_slots, token_slots)
         if lora is None and self.graphs is not None and self.graphs.fits(items):
             return self.graphs.forward(items, tables, self.sampled)
@@ -298,8 +298,6 @@ class ModelRunner:
     def _token_slots(self, items: list[ForwardItem]) -> list[int] | None:
         """Each token row's adapter slot (0: none), the step's adapters made resident; None
         when no item has an adapter."""
-        if self.lora_slots is None:
-            return None
         loras = [self.lora_of(item.request) for item in items]
         adapters = list({id(a): a for a in loras if a is not None}.values())
         if not adapters:
@@ -336,7 +334,8 @@ class ModelRunner:
                 verify_rows.append((request, row - 1 - len(drafts), drafts, q))
         hidden = self.forward(items, tables)
         pending = self._sample(hidden, verify_rows)
-        self._prompt_logprobs(hidden, items, pending)
+        if any(r.params.prompt_logprobs is not None for r in sched.requests):
+            self._prompt_logprobs(hidden, items, pending)
         return LaunchedStep(pending)
 
     def _sample(self, hidden: torch.Tensor, verify_rows) -> PendingStep:
@@ -348,22 +347,17 @@ class ModelRunner:
         pending = PendingStep(DeviceResults())
         spans, members = pending.spans, pending.members
         for request, row, drafts, q in verify_rows:
-            spans.append(
-                VerifyRow(
-                    len(rows),
-                    drafts,
-                    q if drafts else None,
-                    request.params.is_greedy,
-                    request.generator_on(self.device),
-                )
-            )
+            greedy = request.params.is_greedy  # (a greedy row draws nothing)
+            gen = None if greedy else request.generator_on(self.device)
+            spans.append(VerifyRow(len(rows), drafts, q if drafts else None, greedy, gen))
             members.append(request)
             rows.extend(range(row, row + len(drafts) + 1))
             if request.siblings and request.num_output_tokens == 0:
                 # n > 1: the siblings sample their first token from the leader's logits.
                 for sibling in request.siblings:
-                    gen = sibling.generator_on(self.device)
-                    spans.append(VerifyRow(len(rows), [], None, sibling.params.is_greedy, gen))
+                    greedy = sibling.params.is_greedy
+                    gen = None if greedy else sibling.generator_on(self.device)
+                    spans.append(VerifyRow(len(rows), [], None, greedy, gen))
                     members.append(sibling)
                     rows.append(row)
         self.sampled = None

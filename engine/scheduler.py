@@ -90,7 +90,8 @@ class Scheduler:
                 i += 1  # its last token is in flight: it finishes when that comes back
                 continue
             num_new = min(request.num_uncomputed, budget)
-            num_drafts = self._draft_slots(request, num_new, budget, wanted.get(request, 0))
+            k = wanted.get(request, 0)
+            num_drafts = k and self._draft_slots(request, num_new, budget, k)
             if not self._allocate_or_preempt(request, num_new, num_drafts, out):
                 break  # the request preempted itself: nothing after it can run either
             self.kv.cache_blocks(request, request.num_computed_tokens + num_new)

@@ -39,7 +39,8 @@ class Speculation:
 
     @property
     def active(self) -> bool:
-        """Whether steps carry drafts at all (a proposer, or forced tokens)."""
+        """Whether steps carry drafts at all (a proposer, or forced tokens): the engine plans,
+        proposes and accounts only then."""
         return self.proposer is not None or self.forced_tokens is not None
 
     def use_grammar(self, grammar, forced_tokens: bool) -> None:
@@ -74,8 +75,6 @@ class Speculation:
         scheduler reads): its forced tokens, then its own k if it set one, else the engine's (a
         fixed k, or the adaptive plan capped by it)."""
         self.wanted, self._forced = {}, {}
-        if not self.active:
-            return self.wanted
         adaptive = []
         for request in running:
             # (A token still in flight: what it forces next is not known yet.)
