@@ -334,8 +334,7 @@ class ModelRunner:
                 verify_rows.append((request, row - 1 - len(drafts), drafts, q))
         hidden = self.forward(items, tables)
         pending = self._sample(hidden, verify_rows)
-        if any(r.params.prompt_logprobs is not None for r in sched.requests):
-            self._prompt_logprobs(hidden, items, pending)
+        self._prompt_logprobs(hidden, items, pending)
         return LaunchedStep(pending)
 
     def _sample(self, hidden: torch.Tensor, verify_rows) -> PendingStep:
@@ -347,17 +346,13 @@ class ModelRunner:
         pending = PendingStep(DeviceResults())
         spans, members = pending.spans, pending.members
         for request, row, drafts, q in verify_rows:
-            greedy = request.params.is_greedy  # (a greedy row draws nothing)
-            gen = None if greedy else request.generator_on(self.device)
-            spans.append(VerifyRow(len(rows), drafts, q if drafts else None, greedy, gen))
+            spans.append(self._span(len(rows), request, drafts, q))
             members.append(request)
             rows.extend(range(row, row + len(drafts) + 1))
             if request.siblings and request.num_output_tokens == 0:
                 # n > 1: the siblings sample their first token from the leader's logits.
                 for sibling in request.siblings:
-                    greedy = sibling.params.is_greedy
-                    gen = None if greedy else sibling.generator_on(self.device)
-                    spans.append(VerifyRow(len(rows), [], None, greedy, gen))
+                    spans.append(self._span(len(rows), sibling, [], None))
                     members.append(sibling)
                     rows.append(row)
         self.sampled = None
@@ -378,6 +373,13 @@ class ModelRunner:
         if self.keep_sampled and not any(span.drafts for span in spans):
             self.sampled = self._sampled_tokens(pending)
         return pending
+
+    def _span(self, start: int, request: Request, drafts: list[int], q) -> VerifyRow:
+        """A request's rows in the verification batch from `start`; a greedy request draws
+        nothing, so it gets no generator."""
+        greedy = request.params.is_greedy
+        gen = None if greedy else request.generator_on(self.device)
+        return VerifyRow(start, drafts, q if drafts else None, greedy, gen)
 
     def _sampled_tokens(self, pending: PendingStep) -> SampledTokens:
         """Every member's one token on the device (no drafts): its row's argmax, or what
