@@ -129,7 +129,7 @@ def engine_launches(model: str, dtype: torch.dtype, block_size: int) -> list[Lau
     a prefill chunk, at short and 128k contexts, of the LoRA kernels at rank 16 and 64 over
     the fused qkv and gate/up projections (8 adapters, 8 rows each), through the same calls the
     engine makes, and of the fused rejection sampler over the model's vocabulary."""
-    from engine.attention import AttentionMetadata, _varlen, paged_attention
+    from engine.attention import varlen_metadata
 
     shape = MODELS[model]
     heads, kv_heads, head_dim = shape["heads"], shape["kv_heads"], shape["head_dim"]
@@ -141,10 +141,10 @@ def engine_launches(model: str, dtype: torch.dtype, block_size: int) -> list[Lau
         tables = [[1 + j % (num_blocks - 1) for j in range(-(-n // block_size))] for n in seq_lens]
         num_tokens = sum(query_lens)
         slots = torch.arange(num_tokens, dtype=torch.long) % (num_blocks * block_size)
-        meta = AttentionMetadata(slots, [], [], _varlen(seq_lens, query_lens, tables, block_size))
+        meta = varlen_metadata(seq_lens, query_lens, tables, slots, block_size)
         q = torch.zeros(num_tokens, heads, head_dim, dtype=dtype)
         kv = torch.zeros(num_tokens, kv_heads, head_dim, dtype=dtype)
-        paged_attention(q, kv, kv, k_cache, v_cache, meta, head_dim**-0.5)
+        meta.attend(q, kv, kv, k_cache, v_cache, head_dim**-0.5)
 
     with recording() as (launches, case):
         for context in (1000, 131072):
@@ -166,7 +166,7 @@ def _lora_launches(shape: dict, dtype: torch.dtype, rank: int) -> None:
     from kernels.triton_lora import lora_expand, lora_shrink
 
     tokens, slots = 64, 9
-    rows = torch.arange(tokens, dtype=torch.int32)  # as lora.batch.SlotSegments builds them
+    rows = torch.arange(tokens, dtype=torch.int32)  # as lora.batch.KernelLoRABatch builds them
     seg_starts = torch.arange(0, tokens + 1, 8, dtype=torch.int32)
     seg_slots = torch.arange(1, slots, dtype=torch.int32)
     hidden, head_dim = shape["hidden"], shape["head_dim"]

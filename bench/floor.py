@@ -16,9 +16,10 @@ measured single-thread read bandwidth. Everything else (attention arithmetic, pr
 norms, RoPE, activations, sampling, Python) counts as zero, so the real floor is higher.
 
 A second floor replaces that ideal KV read with the engine's own pure-torch decode attention
-(engine.attention.paged_attention: K/V gathered into a copy, batched matmuls, softmax; requests
-bucketed by context length) timed for one layer at every decode step's contexts, times the
-layers: the least any engine whose CPU attention is the torch reference can spend.
+(engine.attention.BucketedAttention.attend: K/V gathered into a copy, batched matmuls,
+softmax; requests bucketed by context length) timed for one layer at every decode step's
+contexts, times the layers: the least any engine whose CPU attention is the torch reference
+can spend.
 Last line: RESULT floor_seconds=.. max_x_hf_seq=.. torch_attention_floor_seconds=..
 max_x_hf_seq_torch_attention=..
 """
@@ -37,7 +38,7 @@ import time
 import torch
 
 from bench.workload import make_workload
-from engine.attention import build_metadata, paged_attention
+from engine.attention import bucketed_metadata
 from engine.models.loader import load_model
 from engine.models.registry import resolve_model
 
@@ -78,11 +79,11 @@ def torch_decode_attention_seconds(cfg, contexts_per_step: list[list[int]]) -> f
                 for i, c in enumerate(contexts)
             ]
         )
-        meta = build_metadata(contexts, [1] * n, tables[:n], slots, block_size, None)
+        meta = bucketed_metadata(contexts, [1] * n, tables[:n], slots, block_size, None)
         q = torch.randn(n, cfg.num_heads, cfg.head_dim)
         kv = torch.randn(n, cfg.num_kv_heads, cfg.head_dim)
         total += best_seconds(
-            lambda q=q, kv=kv, meta=meta: paged_attention(q, kv, kv, k_cache, v_cache, meta, 0.125),
+            lambda q=q, kv=kv, meta=meta: meta.attend(q, kv, kv, k_cache, v_cache, 0.125),
             2,
         )
     return total * cfg.num_layers

@@ -15,8 +15,8 @@ synchronize for whole runs; model loading and warm-up are excluded.
   same with a 4x wider block table (a CUDA graph's), and verification (1 + 4 queries per
   request, `paged_attention`).
 - lora: one decode step's projections of every layer (1B) at 64 rows, base only vs. base plus the
-  SGMV kernels (lora.batch.LoRABatch on the Triton path) with 8 distinct rank-16 adapters on all
-  seven projections, 8 rows each.
+  SGMV kernels (lora.batch.KernelLoRABatch, the Triton path) with 8 distinct rank-16 adapters on
+  all seven projections, 8 rows each.
 - verify: one speculative step's sampling of 64 temperature-1 requests with 4 one-hot drafts
   each over the largest model's vocabulary: the [320, V] logits to the host and
   engine.rejection.verify there (the engine before sampling moved to the device) against the

@@ -66,7 +66,7 @@ def bench_lora(model_dir: Path) -> dict:
     from engine.device import to_device
     from engine.models.loader import load_model
     from lora.adapter import LoRAAdapter, projection_shapes
-    from lora.batch import GROUPS, LoRABatch, LoRASlots
+    from lora.batch import GROUPS, KernelLoRABatch, LoRASlots
 
     dev, dtype = common.DEV, common.DTYPE
     model, cfg, _ = load_model(model_dir, device=dev, dtype=dtype)
@@ -85,9 +85,8 @@ def bench_lora(model_dir: Path) -> dict:
         }
         adapter = LoRAAdapter(f"a{i}", "", str(i), rank, weights)
         slots.activate([adapter])
-    batch = to_device(
-        LoRABatch.build(slots, [1 + r // 8 for r in range(rows)], "triton"), torch.device(dev)
-    )
+    token_slots = [1 + r // 8 for r in range(rows)]
+    batch = to_device(KernelLoRABatch.build(slots, token_slots), torch.device(dev))
     x = {
         "qkv": torch.randn(rows, cfg.hidden_size, device=dev, dtype=dtype),
         "o": torch.randn(rows, cfg.num_heads * cfg.head_dim, device=dev, dtype=dtype),

@@ -59,7 +59,7 @@ def teacher_forced_decode(llm: LLM, token_ids: list[int], prefill: int) -> Score
     idle engine with at least ceil(T / block_size) + 1 blocks."""
     import torch
 
-    from engine.attention import build_metadata, slot_ids
+    from engine.attention import fused_decode_metadata, slot_ids
 
     runner = llm.engine.runner
     model, bs = runner.model, runner.block_size
@@ -68,10 +68,9 @@ def teacher_forced_decode(llm: LLM, token_ids: list[int], prefill: int) -> Score
     def step(start: int, tokens: list[int]) -> torch.Tensor:  # log-probs [vocab] after tokens
         n = len(tokens)
         slots = torch.tensor(slot_ids(table, start, n, bs))
-        meta = build_metadata(
-            [start + n], [n], [table], slots, bs, runner.cfg.sliding_window,
-            fused_decode=model.fused_decode,
-        )  # fmt: skip
+        args = ([start + n], [n], [table], slots, bs, runner.cfg.sliding_window)
+        layout = runner.backend.layout
+        meta = model.fused_decode and fused_decode_metadata(*args, layout) or layout(*args)
         positions = torch.arange(start, start + n)
         hidden = model(torch.tensor(tokens), positions, runner.kv_caches, meta)[-1:]
         return model.compute_logits(hidden)[0, : runner.cfg.vocab_size].float().log_softmax(-1)

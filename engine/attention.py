@@ -1,23 +1,30 @@
-"""Per-step attention metadata and the paged attention call the model layers make.
+"""Per-step attention metadata: one layout per backend, each attending the step's rows itself.
 
-The model runner builds one `AttentionMetadata` per step; every layer reuses it. Requests with a
-short query (a decode token, or a last token plus drafts under speculation) are attended in
-batched calls: grouped by query length, then split into buckets of similar context length so that
-padding every request to its bucket's longest context wastes little. Longer queries (prefill
-chunks) are attended one request at a time.
+The model runner builds one metadata object per step (the backend chose its layout once, see
+engine/backends.py); every layer calls its `attend`. Three layouts:
+- `BucketedAttention`, the torch reference (the CPU path): requests with a short query (a decode
+  token, or a last token plus drafts under speculation) are attended in batched calls, grouped
+  by query length, then split into buckets of similar context length so that padding every
+  request to its bucket's longest context wastes little; longer queries (prefill chunks) are
+  attended one request at a time.
+- `VarlenAttention`, the Triton kernels: every request in one launch.
+- `FusedDecode`, for a model whose layers run short-query rows as one C++ call each
+  (kernels/cpu/decode_layer.cpp): the layer reads it and attends those rows itself; the step's
+  other rows, if any, carry the backend's own layout.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from engine.device import host_tensor, padded_rows
 from kernels.reference import causal_mask, decode_attention, prefill_attention, write_kv
 
-# Queries up to this length take the batched path.
+# Queries up to this length take the batched path (and, in a fused model, the fused layers).
 MAX_BATCHED_QUERY_LEN = 16
 # What one more bucket costs, in padded key slots: per layer it adds about ten small ops
 # (~100 us here) where one padded slot costs ~0.4 us (gather + matmuls + softmax).
@@ -42,20 +49,80 @@ class PrefillSpan:
 
 
 @dataclass(slots=True)
-class VarlenBatch:
-    """What the Triton kernel takes: every request in one launch (kernels/triton_attention)."""
+class BucketedAttention:
+    """The torch reference's layout: short queries in buckets, prefill chunks one by one."""
 
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    buckets: list[QueryBucket]
+    prefills: list[PrefillSpan]
+
+    def attend(
+        self,
+        q: torch.Tensor,  # [num_tokens, Hq, D]
+        k: torch.Tensor,  # [num_tokens, Hkv, D]
+        v: torch.Tensor,  # [num_tokens, Hkv, D]
+        k_cache: torch.Tensor,  # [Hkv, num_blocks, block_size, D]
+        v_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, Hq, D]
+        """Store the step's K/V, then attend every row over its request's cache."""
+        write_kv(k_cache, v_cache, k, v, self.slot_mapping)
+        num_tokens, num_heads, head_dim = q.shape
+        out = torch.empty_like(q)
+        for b in self.buckets:
+            qb = q.index_select(0, b.rows).view(-1, b.num_queries, num_heads, head_dim)
+            ob = decode_attention(qb, k_cache, v_cache, b.block_tables, b.key_bias, scale)
+            out.index_copy_(0, b.rows, ob.reshape(-1, num_heads, head_dim))
+        for span in self.prefills:
+            out[span.start : span.end] = prefill_attention(
+                q[span.start : span.end],
+                k_cache,
+                v_cache,
+                span.block_ids,
+                span.seq_len,
+                span.mask,
+                scale,
+            )
+        return out
+
+
+@dataclass(slots=True)
+class VarlenAttention:
+    """The Triton kernels' layout: every request in one launch (kernels/triton_attention)."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64
     query_start_loc: torch.Tensor  # [B + 1] int32
     seq_lens: torch.Tensor  # [B] int32
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with the null block
     max_query_len: int
 
+    def attend(self, q, k, v, k_cache, v_cache, scale: float) -> torch.Tensor:
+        """As BucketedAttention.attend, in Triton kernels."""
+        from kernels import triton_attention, triton_decode
+
+        triton_attention.store_kv(k_cache, v_cache, k, v, self.slot_mapping)
+        if self.max_query_len == 1:  # decodes only: contexts split across programs
+            return triton_decode.paged_decode_attention(
+                q, k_cache, v_cache, self.block_tables, self.seq_lens, scale
+            )
+        return triton_attention.paged_attention(
+            q.contiguous(),
+            k_cache,
+            v_cache,
+            self.block_tables,
+            self.query_start_loc,
+            self.seq_lens,
+            scale,
+            self.max_query_len,
+        )
+
 
 @dataclass(slots=True)
-class DecodeBatch:
+class FusedDecode:
     """The short-query rows of a step (decode tokens, verification rows) for a model whose
     layers run them fused on CPU (kernels/cpu/decode_layer.cpp), each row with its own
-    context; the step's other rows (prefill chunks), if any, run the unfused path."""
+    context; the step's other rows (prefill chunks), if any, run the unfused path with
+    `other`, the backend's layout for them."""
 
     block_tables: torch.Tensor  # [requests, max_blocks] int64, padded with the null block
     row_tables: torch.Tensor  # [R] int64: each row's request, a row of block_tables
@@ -63,16 +130,15 @@ class DecodeBatch:
     slot_mapping: torch.Tensor  # [R] int64
     rows: torch.Tensor | None = None  # [R] rows of the flat batch; None: all of them, in order
     other_rows: torch.Tensor | None = None  # the remaining rows of the flat batch
-    other: AttentionMetadata | None = None  # their metadata, indexed within other_rows
+    other: BucketedAttention | VarlenAttention | None = None  # indexed within other_rows
 
 
-@dataclass(slots=True)
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [num_tokens] int64
-    buckets: list[QueryBucket] = field(default_factory=list)
-    prefills: list[PrefillSpan] = field(default_factory=list)
-    varlen: VarlenBatch | None = None  # set for the Triton backend (then no buckets, prefills)
-    decode: DecodeBatch | None = None  # set for fused CPU decode (then no buckets)
+AttentionMetadata = BucketedAttention | VarlenAttention | FusedDecode
+
+# A backend's layout builder: (seq_lens per request after this step, query_lens per request
+# (rows of the flat batch in request order), block_tables, slot_mapping [num_tokens], block_size,
+# sliding_window) -> its metadata.
+Layout = Callable[..., BucketedAttention | VarlenAttention]
 
 
 def slot_ids(block_table: list[int], start: int, num_tokens: int, block_size: int) -> list[int]:
@@ -130,29 +196,15 @@ def _bucket(
     return QueryBucket(rows, num_queries, tables, key_bias)
 
 
-def build_metadata(
-    seq_lens: list[int],  # per request, after this step
-    query_lens: list[int],  # per request, rows of the flat batch in request order
+def bucketed_metadata(
+    seq_lens: list[int],
+    query_lens: list[int],
     block_tables: list[list[int]],
     slot_mapping: torch.Tensor,
     block_size: int,
     sliding_window: int | None,
-    backend: str = "torch",
-    fused_decode: bool = False,
-) -> AttentionMetadata:
-    """fused_decode: the model's layers run short-query rows (decode, verification) in one call
-    each (engine.models.llama.DecoderLayer.fuse); a step with such rows gets a DecodeBatch, and
-    its other rows, if any, their own metadata inside it."""
-    if fused_decode:
-        short = [i for i, n in enumerate(query_lens) if n <= MAX_BATCHED_QUERY_LEN]
-        if short:
-            decode = _decode_batch(
-                short, seq_lens, query_lens, block_tables, slot_mapping, block_size, sliding_window
-            )
-            return AttentionMetadata(slot_mapping, decode=decode)
-    if backend == "triton":
-        varlen = _varlen(seq_lens, query_lens, block_tables, block_size)
-        return AttentionMetadata(slot_mapping, varlen=varlen)
+) -> BucketedAttention:
+    """The torch reference's layout (a Layout)."""
     row_starts = [0, *itertools.accumulate(query_lens)]
     by_query_len: dict[int, list[int]] = {}
     prefills = []
@@ -187,18 +239,37 @@ def build_metadata(
                     sliding_window,
                 )
             )
-    return AttentionMetadata(slot_mapping, buckets, prefills)
+    return BucketedAttention(slot_mapping, buckets, prefills)
 
 
-def _decode_batch(
-    short: list[int],  # requests whose queries are short, in order
+def varlen_metadata(
+    seq_lens: list[int],
+    query_lens: list[int],
+    block_tables: list[list[int]],
+    slot_mapping: torch.Tensor,
+    block_size: int,
+    sliding_window: int | None = None,  # (the kernels have no sliding window: refused earlier)
+) -> VarlenAttention:
+    """The Triton kernels' layout (a Layout)."""
+    tables = _padded_tables(block_tables, seq_lens, block_size)
+    starts = host_tensor([0, *itertools.accumulate(query_lens)], torch.int32)
+    seq_lens_t = host_tensor(seq_lens, torch.int32)
+    return VarlenAttention(slot_mapping, starts, seq_lens_t, tables, max(query_lens))
+
+
+def fused_decode_metadata(
     seq_lens: list[int],
     query_lens: list[int],
     block_tables: list[list[int]],
     slot_mapping: torch.Tensor,
     block_size: int,
     sliding_window: int | None,
-) -> DecodeBatch:
+    layout: Layout,  # the backend's, for the step's other rows
+) -> FusedDecode | None:
+    """A fused model's metadata for a step; None when it has no short-query rows."""
+    short = [i for i, n in enumerate(query_lens) if n <= MAX_BATCHED_QUERY_LEN]
+    if not short:
+        return None
     row_starts = [0, *itertools.accumulate(query_lens)]
     row_tables, row_lens, rows = [], [], []
     for j, i in enumerate(short):
@@ -208,15 +279,14 @@ def _decode_batch(
             rows.append(row_starts[i] + t)
     tables = _padded_tables(
         [block_tables[i] for i in short], [seq_lens[i] for i in short], block_size
-    )
+    ).long()
+    row_tables_t, row_lens_t = host_tensor(row_tables), host_tensor(row_lens)
     if len(short) == len(query_lens):
-        return DecodeBatch(
-            tables.long(), host_tensor(row_tables), host_tensor(row_lens), slot_mapping
-        )
+        return FusedDecode(tables, row_tables_t, row_lens_t, slot_mapping)
     long = [i for i, n in enumerate(query_lens) if n > MAX_BATCHED_QUERY_LEN]
     other_rows = host_tensor([r for i in long for r in range(row_starts[i], row_starts[i + 1])])
     rows_t = host_tensor(rows)
-    other = build_metadata(
+    other = layout(
         [seq_lens[i] for i in long],
         [query_lens[i] for i in long],
         [block_tables[i] for i in long],
@@ -224,14 +294,8 @@ def _decode_batch(
         block_size,
         sliding_window,
     )
-    return DecodeBatch(
-        tables.long(),
-        host_tensor(row_tables),
-        host_tensor(row_lens),
-        slot_mapping[rows_t],
-        rows_t,
-        other_rows,
-        other,
+    return FusedDecode(
+        tables, row_tables_t, row_lens_t, slot_mapping[rows_t], rows_t, other_rows, other
     )
 
 
@@ -244,61 +308,3 @@ def _padded_tables(
         [table[: -(-n // block_size)] for table, n in zip(block_tables, seq_lens, strict=True)],
         width,
     )
-
-
-def _varlen(
-    seq_lens: list[int], query_lens: list[int], block_tables: list[list[int]], block_size: int
-) -> VarlenBatch:
-    tables = _padded_tables(block_tables, seq_lens, block_size)
-    starts = host_tensor([0, *itertools.accumulate(query_lens)], torch.int32)
-    return VarlenBatch(starts, host_tensor(seq_lens, torch.int32), tables, max(query_lens))
-
-
-def paged_attention(
-    q: torch.Tensor,  # [num_tokens, Hq, D]
-    k: torch.Tensor,  # [num_tokens, Hkv, D]
-    v: torch.Tensor,  # [num_tokens, Hkv, D]
-    k_cache: torch.Tensor,  # [Hkv, num_blocks, block_size, D]
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:  # [num_tokens, Hq, D]
-    if meta.varlen is not None:
-        from kernels import triton_attention, triton_decode
-
-        vb = meta.varlen
-        triton_attention.store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        if vb.max_query_len == 1:  # decodes only: contexts split across programs
-            return triton_decode.paged_decode_attention(
-                q, k_cache, v_cache, vb.block_tables, vb.seq_lens, scale
-            )
-        return triton_attention.paged_attention(
-            q.contiguous(),
-            k_cache,
-            v_cache,
-            vb.block_tables,
-            vb.query_start_loc,
-            vb.seq_lens,
-            scale,
-            vb.max_query_len,
-        )
-    if meta.decode is not None:
-        raise RuntimeError("a fused decode step reached the unfused attention path")
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    num_tokens, num_heads, head_dim = q.shape
-    out = torch.empty_like(q)
-    for b in meta.buckets:
-        qb = q.index_select(0, b.rows).view(-1, b.num_queries, num_heads, head_dim)
-        ob = decode_attention(qb, k_cache, v_cache, b.block_tables, b.key_bias, scale)
-        out.index_copy_(0, b.rows, ob.reshape(-1, num_heads, head_dim))
-    for span in meta.prefills:
-        out[span.start : span.end] = prefill_attention(
-            q[span.start : span.end],
-            k_cache,
-            v_cache,
-            span.block_ids,
-            span.seq_len,
-            span.mask,
-            scale,
-        )
-    return out

@@ -16,10 +16,16 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionMetadata, build_metadata
+from engine.attention import (
+    AttentionMetadata,
+    Layout,
+    bucketed_metadata,
+    fused_decode_metadata,
+    varlen_metadata,
+)
 from engine.inputs import FlatInputs
 from kernels import reference
-from lora.batch import LoRABatch, LoRASlots
+from lora.batch import KernelLoRABatch, LoRABatch, LoRASlots, PackedLoRABatch
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -29,6 +35,8 @@ class Backend:
     name: str  # "torch" | "triton"
     static_buffers: bool  # the CUDA-graph runner can serve its decode steps
     verify_kernel: Callable  # engine.rejection.VerifyKernel
+    layout: Layout  # a step's attention metadata
+    lora_batch: Callable[[LoRASlots, list[int]], LoRABatch | None]  # its adapter rows
 
     def metadata(
         self,
@@ -38,28 +46,33 @@ class Backend:
         sliding_window: int | None,
         fused_decode: bool,
     ) -> AttentionMetadata:
-        return build_metadata(
-            flat.seq_lens,
-            flat.query_lens,
-            flat.tables,
-            slot_mapping,
-            block_size,
-            sliding_window,
-            self.name,
-            fused_decode,
-        )
-
-    def lora_batch(self, slots: LoRASlots, token_slots: list[int]) -> LoRABatch | None:
-        return LoRABatch.build(slots, token_slots, self.name)
+        """fused_decode: the model's layers run short-query rows (decode, verification) in one
+        call each (engine.models.llama.DecoderLayer.fuse); a step with such rows gets a
+        FusedDecode, its other rows, if any, this backend's layout inside it."""
+        args = (flat.seq_lens, flat.query_lens, flat.tables, slot_mapping, block_size)
+        fused = fused_decode and fused_decode_metadata(*args, sliding_window, self.layout)
+        return fused or self.layout(*args, sliding_window)
 
 
-TORCH = Backend("torch", static_buffers=False, verify_kernel=reference.rejection_verify)
+TORCH = Backend(
+    "torch",
+    static_buffers=False,
+    verify_kernel=reference.rejection_verify,
+    layout=bucketed_metadata,
+    lora_batch=PackedLoRABatch.build,
+)
 
 
 def triton_backend() -> Backend:
     from kernels.triton_rejection import rejection_verify  # imports triton
 
-    return Backend("triton", static_buffers=True, verify_kernel=rejection_verify)
+    return Backend(
+        "triton",
+        static_buffers=True,
+        verify_kernel=rejection_verify,
+        layout=varlen_metadata,
+        lora_batch=KernelLoRABatch.build,
+    )
 
 
 def resolve_backend(

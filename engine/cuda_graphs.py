@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.attention import AttentionMetadata, VarlenBatch
+from engine.attention import VarlenAttention
 from engine.device import host_tensor, padded_rows, staged, to_device
 from engine.inputs import fill_pending, flat_inputs, pending_inputs, real_rows
 
@@ -125,14 +125,12 @@ class GraphRunner:
 
     def _run(self, num_reqs: int, q: int) -> torch.Tensor:  # [num_reqs * q, hidden]
         num_tokens = num_reqs * q
-        meta = AttentionMetadata(
+        meta = VarlenAttention(
             self.slot_mapping[:num_tokens],
-            varlen=VarlenBatch(
-                self.query_start_loc[q][: num_reqs + 1],
-                self.seq_lens[:num_reqs],
-                self.block_tables[:num_reqs],
-                max_query_len=q,
-            ),
+            self.query_start_loc[q][: num_reqs + 1],
+            self.seq_lens[:num_reqs],
+            self.block_tables[:num_reqs],
+            max_query_len=q,
         )
         return self.model(
             self.input_ids[:num_tokens], self.positions[:num_tokens], self.kv_caches, meta

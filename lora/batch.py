@@ -20,6 +20,7 @@ instead: rows listed grouped by slot, one shrink and one expand launch per proje
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -133,63 +134,38 @@ class LoRASlots:
 MAX_PACKED_ROWS = 8
 
 
-@dataclass
-class SlotSegments:
-    """The rows with an adapter grouped by slot, as the Triton SGMV kernels take them."""
-
-    rows: torch.Tensor  # [n] int32 token rows, segment after segment
-    seg_starts: torch.Tensor  # [G + 1] int32
-    seg_slots: torch.Tensor  # [G] int32
-    max_seg_len: int
-
-    @classmethod
-    def build(cls, by_slot: dict[int, list[int]]) -> SlotSegments:
-        order = sorted(by_slot)
-        starts = [0]
-        for slot in order:
-            starts.append(starts[-1] + len(by_slot[slot]))
-        return cls(
-            torch.tensor([r for slot in order for r in by_slot[slot]], dtype=torch.int32),
-            torch.tensor(starts, dtype=torch.int32),
-            torch.tensor(order, dtype=torch.int32),
-            max(len(m) for m in by_slot.values()),
-        )
+def rows_by_slot(token_slots: list[int]) -> dict[int, list[int]]:
+    """The token rows of each slot that has any (slot 0, no adapter, left out)."""
+    by_slot: dict[int, list[int]] = {}
+    for row, slot in enumerate(token_slots):
+        if slot:
+            by_slot.setdefault(slot, []).append(row)
+    return by_slot
 
 
 @dataclass
-class LoRABatch:
-    """One forward pass's adapter mapping."""
+class PackedLoRABatch:
+    """One forward pass's adapter rows for the torch path: segments and packed rows."""
 
     slots: LoRASlots
     segments: list[tuple[int, torch.Tensor]]  # (slot, [m] int64 rows): many rows, one adapter
     # The other rows with an adapter, packed slot-major over the slot range [lo, hi):
-    rows: torch.Tensor | None  # [n] int64 token rows
+    rows: torch.Tensor | None  # [n] int64 token rows; None: no such rows
     packed: torch.Tensor | None  # [n] int64 index into [(hi - lo) * width]
     slot_range: tuple[int, int] = (0, 0)  # lo, hi
     width: int = 0  # rows per slot in the packed layout
-    kernel_segments: SlotSegments | None = None  # set for the Triton path (then nothing else)
 
     @classmethod
-    def build(
-        cls, slots: LoRASlots, token_slots: list[int], backend: str = "torch"
-    ) -> LoRABatch | None:
+    def build(cls, slots: LoRASlots, token_slots: list[int]) -> PackedLoRABatch | None:
         """token_slots: a slot per token row (0 = no adapter); None when no row has one."""
-        by_slot: dict[int, list[int]] = {}
-        for row, slot in enumerate(token_slots):
-            if slot:
-                by_slot.setdefault(slot, []).append(row)
-        if not by_slot:
-            return None
-        if backend == "triton":
-            return cls(slots, [], None, None, kernel_segments=SlotSegments.build(by_slot))
         segments, few = [], {}
-        for slot, members in by_slot.items():
+        for slot, members in rows_by_slot(token_slots).items():
             if len(members) > MAX_PACKED_ROWS:
                 segments.append((slot, torch.tensor(members, dtype=torch.long)))
             else:
                 few[slot] = members
         if not few:
-            return cls(slots, segments, None, None)
+            return cls(slots, segments, None, None) if segments else None
         lo, hi = min(few), max(few) + 1
         width = max(len(m) for m in few.values())
         rows = [r for members in few.values() for r in members]
@@ -205,9 +181,6 @@ class LoRABatch:
 
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """y [T, sum of outs] += the group's LoRA updates of x [T, in], in place."""
-        if self.kernel_segments is not None:
-            self._apply_kernels(layer, group, x, y)
-            return
         xs = [x.index_select(0, rows) for _, rows in self.segments]  # [m, in] each
         lo, hi = self.slot_range
         xp = None
@@ -229,16 +202,44 @@ class LoRABatch:
                     out.index_add_(0, self.rows, delta.index_select(0, self.packed))
             offset += size_out
 
-    def _apply_kernels(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+
+@dataclass
+class KernelLoRABatch:
+    """One forward pass's adapter rows for the Triton SGMV kernels: grouped by slot."""
+
+    slots: LoRASlots
+    rows: torch.Tensor  # [n] int32 token rows, segment after segment
+    seg_starts: torch.Tensor  # [G + 1] int32
+    seg_slots: torch.Tensor  # [G] int32
+    max_seg_len: int
+
+    @classmethod
+    def build(cls, slots: LoRASlots, token_slots: list[int]) -> KernelLoRABatch | None:
+        """token_slots: a slot per token row (0 = no adapter); None when no row has one."""
+        by_slot = rows_by_slot(token_slots)
+        if not by_slot:
+            return None
+        order = sorted(by_slot)
+        starts = [0, *itertools.accumulate(len(by_slot[slot]) for slot in order)]
+        return cls(
+            slots,
+            torch.tensor([r for slot in order for r in by_slot[slot]], dtype=torch.int32),
+            torch.tensor(starts, dtype=torch.int32),
+            torch.tensor(order, dtype=torch.int32),
+            max(len(m) for m in by_slot.values()),
+        )
+
+    def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """As PackedLoRABatch.apply, in the shrink and expand kernels."""
         from kernels.triton_lora import lora_expand, lora_shrink
 
-        seg = self.kernel_segments
+        segments = (self.rows, self.seg_starts, self.seg_slots, self.max_seg_len)
         offset = 0
         for proj in GROUPS[group]:
             a, b = self.slots.a.get((layer, proj)), self.slots.b.get((layer, proj))
             if a is not None:
-                shrunk = lora_shrink(x, a, seg.rows, seg.seg_starts, seg.seg_slots, seg.max_seg_len)
-                lora_expand(
-                    shrunk, b, y, offset, seg.rows, seg.seg_starts, seg.seg_slots, seg.max_seg_len
-                )
+                lora_expand(lora_shrink(x, a, *segments), b, y, offset, *segments)
             offset += self.slots.shapes[proj][1]
+
+
+LoRABatch = PackedLoRABatch | KernelLoRABatch

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, DecodeBatch, paged_attention
+from engine.attention import AttentionMetadata, FusedDecode
 from engine.models.config import ModelConfig
 from engine.models.quant import linear_int8, pack_int8
 from engine.models.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedWeight
@@ -168,15 +168,13 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         lora: LoRABatch | None = None,  # per-row adapters, when any row has one
     ) -> torch.Tensor:
-        d = meta.decode
-        if d is not None:  # short queries in one call each: see kernels/cpu/decode_layer.cpp
-            if d.rows is None:
-                return self._fused(x, cos, sin, kv_cache, d)
+        if isinstance(meta, FusedDecode):  # short queries in one call each: decode_layer.cpp
+            if meta.rows is None:
+                return self._fused(x, cos, sin, kv_cache, meta)
+            rows, rest = meta.rows, meta.other_rows
             out = torch.empty_like(x)
-            fused = self._fused(x[d.rows], cos[d.rows], sin[d.rows], kv_cache, d)
-            out[d.rows] = fused
-            rest = d.other_rows
-            out[rest] = self.forward(x[rest], cos[rest], sin[rest], kv_cache, d.other, lora)
+            out[rows] = self._fused(x[rows], cos[rows], sin[rows], kv_cache, meta)
+            out[rest] = self.forward(x[rest], cos[rest], sin[rest], kv_cache, meta.other, lora)
             return out
         n = x.shape[0]
         h = self.input_layernorm(x)
@@ -185,7 +183,7 @@ class DecoderLayer(nn.Module):
         q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        attn = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        attn = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale)
         x = x + self._reduced(self._project(self.o_proj, "o", attn.reshape(n, self.q_size), lora))
         h = self.post_attention_layernorm(x)
         gate, up = self._project(self.gate_up_proj, "gate_up", h, lora).chunk(2, dim=-1)
@@ -194,7 +192,7 @@ class DecoderLayer(nn.Module):
     def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
         return partial if self.all_reduce is None else self.all_reduce(partial)
 
-    def _fused(self, x, cos, sin, kv_cache, d: DecodeBatch) -> torch.Tensor:  # x updated
+    def _fused(self, x, cos, sin, kv_cache, d: FusedDecode) -> torch.Tensor:  # x updated
         weights, bits, qkv_bias = self.fused
         torch.ops.tandem_cpu.decode_layer(
             x, weights, bits, qkv_bias, self.input_layernorm.weight,

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from engine.attention import build_metadata, paged_attention, split_by_length
+from engine.attention import bucketed_metadata, split_by_length
 
 BLOCK_SIZE = 4
 
@@ -61,12 +61,12 @@ def run_paged(seq_lens, query_lens, num_heads, num_kv_heads, sliding_window, see
         news_k.append(k[context:])
         news_v.append(v[context:])
 
-    meta = build_metadata(
+    meta = bucketed_metadata(
         seq_lens, query_lens, tables, torch.tensor(slots), BLOCK_SIZE, sliding_window
     )
     scale = head_dim**-0.5
-    out = paged_attention(
-        torch.cat(queries), torch.cat(news_k), torch.cat(news_v), k_cache, v_cache, meta, scale
+    out = meta.attend(
+        torch.cat(queries), torch.cat(news_k), torch.cat(news_v), k_cache, v_cache, scale
     )
     row = 0
     for i, (seq_len, num_new) in enumerate(zip(seq_lens, query_lens, strict=True)):

@@ -97,10 +97,10 @@ def test_bf16_on_cpu_agrees_with_hf_bf16(tiny_llama, backend):
 def test_metadata_and_adapter_batches_move_to_a_device():
     """engine.device.to_device copies every index tensor of a step's attention metadata and
     adapter batch (both layouts); on CPU it hands back the object itself."""
-    from engine.attention import build_metadata
-    from lora.batch import LoRABatch
+    from engine.attention import bucketed_metadata, varlen_metadata
+    from lora.batch import KernelLoRABatch, PackedLoRABatch
 
-    meta = build_metadata(
+    meta = bucketed_metadata(
         [40, 3, 17], [20, 1, 1], [[1, 2, 3], [4], [5, 6]], torch.arange(22), 16, None
     )
     assert to_device(meta, torch.device("cpu")) is meta
@@ -109,17 +109,15 @@ def test_metadata_and_adapter_batches_move_to_a_device():
     assert all(t.device.type == "meta" for b in moved.buckets for t in (b.rows, b.key_bias))
     assert all(p.mask.device.type == "meta" for p in moved.prefills)
     assert len(moved.buckets) == len(meta.buckets) and len(moved.prefills) == 1
-    varlen = build_metadata(
-        [40, 3], [16, 1], [[1, 2, 3], [4]], torch.arange(17), 16, None, "triton"
-    )
-    assert to_device(varlen, torch.device("meta")).varlen.block_tables.device.type == "meta"
+    varlen = varlen_metadata([40, 3], [16, 1], [[1, 2, 3], [4]], torch.arange(17), 16)
+    assert to_device(varlen, torch.device("meta")).block_tables.device.type == "meta"
     meta_dev = torch.device("meta")
-    packed = LoRABatch.build(None, [1] * 10 + [0, 2, 3, 3], "torch")  # a segment + packed rows
+    packed = PackedLoRABatch.build(None, [1] * 10 + [0, 2, 3, 3])  # a segment + packed rows
     moved = to_device(packed, meta_dev)
     assert moved.segments[0][1].device == meta_dev and moved.segments[0][0] == 1
     assert moved.rows.device == meta_dev and moved.packed.device == meta_dev
     assert moved.slot_range == packed.slot_range and moved.width == packed.width
-    kernel = to_device(LoRABatch.build(None, [1, 0, 2, 2], "triton"), meta_dev).kernel_segments
+    kernel = to_device(KernelLoRABatch.build(None, [1, 0, 2, 2]), meta_dev)
     assert all(t.device == meta_dev for t in (kernel.rows, kernel.seg_starts, kernel.seg_slots))
     assert kernel.max_seg_len == 2
 

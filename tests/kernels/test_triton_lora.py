@@ -124,10 +124,11 @@ def test_launchers_name_what_is_wrong():
 
 
 def test_lora_batch_kernels_equal_torch_path(tiny_llama, tmp_path):
-    """LoRABatch on the Triton path adds what its torch path adds, for a mixed step: two
-    adapters' prefill segments, decodes of three adapters, and rows without an adapter."""
+    """KernelLoRABatch (the Triton path) adds what PackedLoRABatch (the torch path) adds, for a
+    mixed step: two adapters' prefill segments, decodes of three adapters, and rows without an
+    adapter."""
     from engine.models.loader import load_model
-    from lora.batch import LoRABatch, LoRASlots
+    from lora.batch import KernelLoRABatch, LoRASlots, PackedLoRABatch
 
     _, cfg, _ = load_model(tiny_llama)
     slots = LoRASlots(cfg, max_loras=3, max_rank=8)
@@ -142,9 +143,9 @@ def test_lora_batch_kernels_equal_torch_path(tiny_llama, tmp_path):
     x = torch.randn(len(token_slots), cfg.hidden_size, generator=gen)
     y = torch.randn(len(token_slots), width, generator=gen)
     outs = {}
-    for backend in ("torch", "triton"):
+    for backend, batch in (("torch", PackedLoRABatch), ("triton", KernelLoRABatch)):
         outs[backend] = y.clone()
-        LoRABatch.build(slots, token_slots, backend).apply(0, "qkv", x, outs[backend])
+        batch.build(slots, token_slots).apply(0, "qkv", x, outs[backend])
     torch.testing.assert_close(outs["triton"], outs["torch"], rtol=1e-5, atol=1e-5)
     assert not torch.equal(outs["torch"], y)
     assert torch.equal(outs["triton"][12:15], y[12:15])  # no adapter: untouched

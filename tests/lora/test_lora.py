@@ -22,7 +22,7 @@ from engine import LLM, SamplingParams
 from engine.models.loader import load_model
 from lora import LoRARequest
 from lora.adapter import load_adapter
-from lora.batch import LoRABatch, LoRASlots
+from lora.batch import LoRASlots, PackedLoRABatch
 from models import hf_greedy, make_adapter
 
 ADAPTERS = {  # name: (rank, target modules, extra LoraConfig fields)
@@ -138,7 +138,7 @@ def test_lora_layer_equals_base_plus_scaled_xab(tiny_llama, adapters, num_rows):
     g = torch.Generator().manual_seed(0)
     choice = torch.randint(0, 5, (num_rows,), generator=g).tolist()  # 0 = base
     token_slots = [slot_of[id(loaded[c - 1])] if c else 0 for c in choice]
-    batch = LoRABatch.build(slots, token_slots)
+    batch = PackedLoRABatch.build(slots, token_slots)
     if num_rows == 11:
         assert not batch.segments and batch.rows is not None
     else:
