@@ -26,8 +26,9 @@ from kernels.reference import causal_mask, decode_attention, prefill_attention, 
 
 # Queries up to this length take the batched path (and, in a fused model, the fused layers).
 MAX_BATCHED_QUERY_LEN = 16
-# What one more bucket costs, in padded key slots: per layer it adds about ten small ops
-# (~100 us here) where one padded slot costs ~0.4 us (gather + matmuls + softmax).
+# What one more bucket costs, in padded key slots: per layer it adds about ten small ops, each
+# padded slot a share of a gather, two matmuls and a softmax (their ratio: python -m
+# bench.choices, bench/RESULTS.md "Measurements behind the core's choices").
 BUCKET_OVERHEAD_SLOTS = 256
 
 

@@ -12,8 +12,8 @@ _NUMPY = {torch.long: np.int64, torch.int32: np.int32, torch.float32: np.float32
 
 def host_tensor(values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
     """A CPU tensor of a flat list of Python numbers, built through numpy: torch.tensor(list)
-    converts element by element (640 ints: ~80 us against ~11 us here), and a step builds
-    several such inputs for every request it runs."""
+    converts element by element (several times slower: bench.choices), and a step
+    builds several such inputs for every request it runs."""
     return torch.from_numpy(np.array(values, dtype=_NUMPY[dtype]))
 
 

@@ -212,9 +212,9 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits
 
 
-# Top-p on CPU looks at this many of the most likely tokens first: sorting SmolLM2's 49152
-# logits costs ~20x a top-256 there (64 rows: 246 vs 12 ms), and at temperature 0.8 the top 256
-# held top_p = 0.95 of the mass at 98% of SmolLM2's positions (all of them within 1024).
+# Top-p on CPU looks at this many of the most likely tokens first: a sort of SmolLM2's 49152
+# logits costs many times a top-256 there, and at temperature 0.8 the top 256 hold top_p = 0.95
+# of the mass at most of SmolLM2's positions (bench.choices measures both).
 TOP_P_CANDIDATES = 256
 
 
@@ -257,8 +257,8 @@ def exponential_noise(
     *shape: int, generator: torch.Generator | None, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
     """Exp(1) draws as -log U, U ~ U[0, 1) in float32 (U = 0 gives inf: that token sits the
-    draw out, a 2^-24 effect). On CPU 4.5x faster than Tensor.exponential_, which draws in
-    double (32 x 49152: 6.5 against 29.6 ms), the largest cost of a sampled row there."""
+    draw out, a 2^-24 effect). On CPU several times faster than Tensor.exponential_, which
+    draws in double (bench.choices), the largest cost of a sampled row there."""
     return torch.rand(*shape, generator=generator, device=device).log_().neg_()
 
 
