@@ -85,8 +85,8 @@ def apply_bitmask(
     vocab_size: int,
 ) -> None:
     """logits[i, t] = -inf where bitmask row i forbids t. On CPU, unpacking the bits with numpy
-    and one masked_fill is ~5x faster than xgrammar's CPU kernel on mostly-forbidden rows
-    (16 SmolLM2 rows: 0.9 vs 5.4 ms); other devices use xgrammar's kernels."""
+    and one masked_fill is several times faster than xgrammar's CPU kernel on mostly-forbidden
+    rows (bench.choices); other devices use xgrammar's kernels."""
     if logits.device.type != "cpu" or not np.little_endian:
         bitmask = to_device(bitmask[: max(indices) + 1], logits.device)
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=indices)

@@ -64,9 +64,9 @@ class Linear(nn.Module):
     """y = x W^T + b, with W stored [out, in] as in HF checkpoints.
 
     On CPU, `pack()` swaps the dense weight for oneDNN's blocked copy (the same bytes; the dense
-    one is dropped). MKL's sgemm is slow at the small row counts of decode: over one SmolLM2
-    forward on one thread, oneDNN packed took 62 ms at 12 rows against 114-134 ms for F.linear
-    or x @ W^T, 90 vs 144-153 ms at 24, 170 vs 185-219 ms at 64, and about the same at 1 and 256.
+    one is dropped). MKL's sgemm is slow at the small row counts of decode, where oneDNN's
+    packed GEMM is well ahead (bench.choices; bench/RESULTS.md "Measurements behind the core's
+    choices"); at one row and at a few hundred they are about even.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
@@ -261,9 +261,9 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_linear_weights(self) -> None:
         """CPU only: every projection to oneDNN's packed layout (see Linear). The LM head gets a
-        packed copy next to its dense weight (the embedding when tied): MKL's gemv is the
-        fastest at one row, oneDNN's packed GEMM from two rows on (a [151936, 1536] head: 67 vs
-        94 ms at 1 row, 177 vs 98 ms at 5 rows, 496 vs 361 ms at 64, one thread)."""
+        packed copy next to its dense weight (the embedding when tied): oneDNN's packed GEMM is
+        far ahead from two rows on; at one row MKL's gemv serves, and which of the two is faster
+        there depends on the head's shape and the CPU (bench.choices measures both sides)."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
