@@ -86,13 +86,13 @@ def pairs() -> tuple[dict[str, dict[str, Callable[[], Run]]], list[str]]:
     print(
         f"top_p: the top {TOP_P_CANDIDATES} hold 0.95 of the mass in {(held >= 0.95).sum()}/64 rows"
     )
+
+    def wrapper_decode(ids: list[int]) -> str:  # the tokenizer's Python decode, clean-up off
+        return tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
     same = {
         "host_tensor": torch.equal(host_tensor(ints), torch.tensor(ints)),
-        "decode": all(
-            decoder(w, skip_special_tokens=True)
-            == tok.decode(w, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-            for w in windows
-        ),
+        "decode": all(decoder(w, skip_special_tokens=True) == wrapper_decode(w) for w in windows),
         "top_p": torch.equal(top_p_drop(logits, top_p), _top_p_drop_sorted(logits, top_p)),
     }
     modes = {
@@ -102,13 +102,7 @@ def pairs() -> tuple[dict[str, dict[str, Callable[[], Run]]], list[str]]:
         },
         "decode": {
             "ours": per_call(lambda: [decoder(w, skip_special_tokens=True) for w in windows], 5),
-            "tokenizer.decode": per_call(
-                lambda: [
-                    tok.decode(w, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-                    for w in windows
-                ],
-                5,
-            ),
+            "tokenizer.decode": per_call(lambda: [wrapper_decode(w) for w in windows], 5),
         },
         "noise": {
             "ours": per_call(lambda: exponential_noise(32, 49152, generator=gen), 10),
