@@ -59,7 +59,8 @@ def teacher_forced_decode(llm: LLM, token_ids: list[int], prefill: int) -> Score
     idle engine with at least ceil(T / block_size) + 1 blocks."""
     import torch
 
-    from engine.attention import fused_decode_metadata, slot_ids
+    from engine.attention import slot_ids
+    from engine.inputs import FlatInputs
 
     runner = llm.engine.runner
     model, bs = runner.model, runner.block_size
@@ -67,12 +68,13 @@ def teacher_forced_decode(llm: LLM, token_ids: list[int], prefill: int) -> Score
 
     def step(start: int, tokens: list[int]) -> torch.Tensor:  # log-probs [vocab] after tokens
         n = len(tokens)
-        slots = torch.tensor(slot_ids(table, start, n, bs))
-        args = ([start + n], [n], [table], slots, bs, runner.cfg.sliding_window)
-        layout = runner.backend.layout
-        meta = model.fused_decode and fused_decode_metadata(*args, layout) or layout(*args)
-        positions = torch.arange(start, start + n)
-        hidden = model(torch.tensor(tokens), positions, runner.kv_caches, meta)[-1:]
+        slots = slot_ids(table, start, n, bs)
+        positions = list(range(start, start + n))
+        flat = FlatInputs(tokens, positions, slots, [start + n], [n], [table])
+        meta = runner.backend.metadata(
+            flat, torch.tensor(slots), bs, runner.cfg.sliding_window, model.fused_decode
+        )  # the layout the engine's own steps get
+        hidden = model(torch.tensor(tokens), torch.tensor(positions), runner.kv_caches, meta)[-1:]
         return model.compute_logits(hidden)[0, : runner.cfg.vocab_size].float().log_softmax(-1)
 
     logprobs, top1 = [], []
