@@ -55,7 +55,7 @@ def teacher_forced(llm: LLM, token_ids: list[int]) -> Scores:
 def teacher_forced_decode(llm: LLM, token_ids: list[int], prefill: int) -> Scores:
     """Scores of positions prefill..T-1 as decode computes them: token_ids[:prefill] in one
     prefill, then each next text token as a single-token step (for a model with fused layers,
-    kernels/cpu/decode_layer.cpp). Drives the model on cache blocks 1.. directly: call it on an
+    kernels/cpu/fused_layer.cpp). Drives the model on cache blocks 1.. directly: call it on an
     idle engine with at least ceil(T / block_size) + 1 blocks."""
     import torch
 
@@ -72,7 +72,7 @@ def teacher_forced_decode(llm: LLM, token_ids: list[int], prefill: int) -> Score
         positions = list(range(start, start + n))
         flat = FlatInputs(tokens, positions, slots, [start + n], [n], [table])
         meta = runner.backend.metadata(
-            flat, torch.tensor(slots), bs, runner.cfg.sliding_window, model.fused_decode
+            flat, torch.tensor(slots), bs, runner.cfg.sliding_window, model.fused_layers
         )  # the layout the engine's own steps get
         hidden = model(torch.tensor(tokens), torch.tensor(positions), runner.kv_caches, meta)[-1:]
         return model.compute_logits(hidden)[0, : runner.cfg.vocab_size].float().log_softmax(-1)

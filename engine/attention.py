@@ -8,9 +8,10 @@ engine/backends.py); every layer calls its `attend`. Three layouts:
   request to its bucket's longest context wastes little; longer queries (prefill chunks) are
   attended one request at a time.
 - `VarlenAttention`, the Triton kernels: every request in one launch.
-- `FusedDecode`, for a model whose layers run short-query rows as one C++ call each
-  (kernels/cpu/decode_layer.cpp): the layer reads it and attends those rows itself; the step's
-  other rows, if any, carry the backend's own layout.
+- `RowAttention`, for a model whose layers run on our C++ kernels (kernels/cpu/
+  fused_layer.cpp): every row of the step, decode token or prefill chunk alike, attends its own
+  context one row at a time, so a row's numbers do not depend on how its prompt was split or
+  what shares its step.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from engine.device import host_tensor, padded_rows
 from kernels.reference import causal_mask, decode_attention, prefill_attention, write_kv
 
-# Queries up to this length take the batched path (and, in a fused model, the fused layers).
+# Queries up to this length take the batched path.
 MAX_BATCHED_QUERY_LEN = 16
 # What one more bucket costs, in padded key slots: per layer it adds about ten small ops, each
 # padded slot a share of a gather, two matmuls and a softmax (their ratio: python -m
@@ -119,22 +120,17 @@ class VarlenAttention:
 
 
 @dataclass(slots=True)
-class FusedDecode:
-    """The short-query rows of a step (decode tokens, verification rows) for a model whose
-    layers run them fused on CPU (kernels/cpu/decode_layer.cpp), each row with its own
-    context; the step's other rows (prefill chunks), if any, run the unfused path with
-    `other`, the backend's layout for them."""
+class RowAttention:
+    """Every row of the step for a model whose layers run on the C++ kernels (kernels/cpu/
+    fused_layer.cpp): each row attends its request's cache up to its own position."""
 
     block_tables: torch.Tensor  # [requests, max_blocks] int64, padded with the null block
     row_tables: torch.Tensor  # [R] int64: each row's request, a row of block_tables
     seq_lens: torch.Tensor  # [R] int64: each row's context, itself included
     slot_mapping: torch.Tensor  # [R] int64
-    rows: torch.Tensor | None = None  # [R] rows of the flat batch; None: all of them, in order
-    other_rows: torch.Tensor | None = None  # the remaining rows of the flat batch
-    other: BucketedAttention | VarlenAttention | None = None  # indexed within other_rows
 
 
-AttentionMetadata = BucketedAttention | VarlenAttention | FusedDecode
+AttentionMetadata = BucketedAttention | VarlenAttention | RowAttention
 
 # A backend's layout builder: (seq_lens per request after this step, query_lens per request
 # (rows of the flat batch in request order), block_tables, slot_mapping [num_tokens], block_size,
@@ -258,46 +254,20 @@ def varlen_metadata(
     return VarlenAttention(slot_mapping, starts, seq_lens_t, tables, max(query_lens))
 
 
-def fused_decode_metadata(
+def row_metadata(
     seq_lens: list[int],
     query_lens: list[int],
     block_tables: list[list[int]],
     slot_mapping: torch.Tensor,
     block_size: int,
-    sliding_window: int | None,
-    layout: Layout,  # the backend's, for the step's other rows
-) -> FusedDecode | None:
-    """A fused model's metadata for a step; None when it has no short-query rows."""
-    short = [i for i, n in enumerate(query_lens) if n <= MAX_BATCHED_QUERY_LEN]
-    if not short:
-        return None
-    row_starts = [0, *itertools.accumulate(query_lens)]
-    row_tables, row_lens, rows = [], [], []
-    for j, i in enumerate(short):
-        for t in range(query_lens[i]):
-            row_tables.append(j)
-            row_lens.append(seq_lens[i] - query_lens[i] + t + 1)
-            rows.append(row_starts[i] + t)
-    tables = _padded_tables(
-        [block_tables[i] for i in short], [seq_lens[i] for i in short], block_size
-    ).long()
-    row_tables_t, row_lens_t = host_tensor(row_tables), host_tensor(row_lens)
-    if len(short) == len(query_lens):
-        return FusedDecode(tables, row_tables_t, row_lens_t, slot_mapping)
-    long = [i for i, n in enumerate(query_lens) if n > MAX_BATCHED_QUERY_LEN]
-    other_rows = host_tensor([r for i in long for r in range(row_starts[i], row_starts[i + 1])])
-    rows_t = host_tensor(rows)
-    other = layout(
-        [seq_lens[i] for i in long],
-        [query_lens[i] for i in long],
-        [block_tables[i] for i in long],
-        slot_mapping[other_rows],
-        block_size,
-        sliding_window,
-    )
-    return FusedDecode(
-        tables, row_tables_t, row_lens_t, slot_mapping[rows_t], rows_t, other_rows, other
-    )
+) -> RowAttention:
+    """A C++-layered model's metadata for a step: each row's request and context length."""
+    row_tables, row_lens = [], []
+    for i, (num_tokens, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        row_tables += [i] * num_tokens
+        row_lens += range(seq_len - num_tokens + 1, seq_len + 1)
+    tables = _padded_tables(block_tables, seq_lens, block_size).long()
+    return RowAttention(tables, host_tensor(row_tables), host_tensor(row_lens), slot_mapping)
 
 
 def _padded_tables(

@@ -20,7 +20,7 @@ from engine.attention import (
     AttentionMetadata,
     Layout,
     bucketed_metadata,
-    fused_decode_metadata,
+    row_metadata,
     varlen_metadata,
 )
 from engine.inputs import FlatInputs
@@ -44,14 +44,13 @@ class Backend:
         slot_mapping: torch.Tensor,
         block_size: int,
         sliding_window: int | None,
-        fused_decode: bool,
+        rows: bool,
     ) -> AttentionMetadata:
-        """fused_decode: the model's layers run short-query rows (decode, verification) in one
-        call each (engine.models.llama.DecoderLayer.fuse); a step with such rows gets a
-        FusedDecode, its other rows, if any, this backend's layout inside it."""
+        """rows: the model's layers run on the C++ kernels (engine.models.llama.DecoderLayer.
+        fuse), whose attention takes every row on its own (RowAttention), whatever the
+        backend."""
         args = (flat.seq_lens, flat.query_lens, flat.tables, slot_mapping, block_size)
-        fused = fused_decode and fused_decode_metadata(*args, sliding_window, self.layout)
-        return fused or self.layout(*args, sliding_window)
+        return row_metadata(*args) if rows else self.layout(*args, sliding_window)
 
 
 TORCH = Backend(

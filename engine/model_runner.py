@@ -278,8 +278,8 @@ class ModelRunner:
         """The forward of flat inputs (a tensor-parallel worker runs rank 0's this way); pending:
         inputs still on the device (async scheduling)."""
         slots = host_tensor(flat.slots)
-        fused = lora is None and self.model.fused_decode
-        meta = self.backend.metadata(flat, slots, self.block_size, self.cfg.sliding_window, fused)
+        rows = self.model.fused_layers
+        meta = self.backend.metadata(flat, slots, self.block_size, self.cfg.sliding_window, rows)
         ids, pos = host_tensor(flat.input_ids), host_tensor(flat.positions)
         ids, pos, meta, lora = to_device((ids, pos, meta, lora), self.device)
         if pending is not None:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, FusedDecode
+from engine.attention import AttentionMetadata, RowAttention
 from engine.models.config import ModelConfig
 from engine.models.quant import linear_int8, pack_int8
 from engine.models.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedWeight
@@ -139,24 +139,25 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
         self.sliding_window = cfg.sliding_window or 0
-        self.fused: tuple | None = None  # fuse()'s arguments for kernels/cpu/decode_layer.cpp
+        self.fused: tuple | None = None  # fuse()'s arguments for kernels/cpu/fused_layer.cpp
         # Tensor parallelism (engine.distributed.tensor_parallel): sums o_proj's and down_proj's
         # partial products over the ranks, in place; None on one rank.
         self.all_reduce = None
 
     def fuse(self) -> bool:
-        """Run a step's short-query rows (decode, verification; steps without LoRA) as one C++
-        call: possible when every projection is on the tandem kernel (CPU), the MLP has no
-        bias and the layer is whole."""
+        """Run every row on the C++ kernels (kernels/cpu/fused_layer.cpp): possible when every
+        projection is on the tandem kernel (CPU) and the MLP has no bias. A step without
+        adapters on a whole layer is then one C++ call; with adapters or a tensor-parallel sum
+        between the halves, the same C++ pieces are composed here around them."""
         linears = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
         layers = [m.quantized for m in linears]
-        whole = self.all_reduce is None  # a tensor-parallel layer sums between its halves
         tandem = all(q is not None and q.backend == "tandem" for q in layers)
-        if not (whole and tandem) or layers[2].bias is not None:
+        if not tandem or layers[2].bias is not None:
             self.fused = None
             return False
         weights = [t for q in layers for t in (q.codes, q.scales, q.offsets)]
-        self.fused = (weights, [q.bits for q in layers], layers[0].bias)
+        sizes = [q.out_features for q in layers]
+        self.fused = (weights, [q.bits for q in layers], sizes, layers[0].bias)
         return True
 
     def forward(
@@ -168,14 +169,10 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         lora: LoRABatch | None = None,  # per-row adapters, when any row has one
     ) -> torch.Tensor:
-        if isinstance(meta, FusedDecode):  # short queries in one call each: decode_layer.cpp
-            if meta.rows is None:
+        if isinstance(meta, RowAttention):  # the C++ kernels (kernels/cpu/fused_layer.cpp)
+            if lora is None and self.all_reduce is None:
                 return self._fused(x, cos, sin, kv_cache, meta)
-            rows, rest = meta.rows, meta.other_rows
-            out = torch.empty_like(x)
-            out[rows] = self._fused(x[rows], cos[rows], sin[rows], kv_cache, meta)
-            out[rest] = self.forward(x[rest], cos[rest], sin[rest], kv_cache, meta.other, lora)
-            return out
+            return self._composed(x, cos, sin, kv_cache, meta, lora)
         n = x.shape[0]
         h = self.input_layernorm(x)
         qkv = self._project(self.qkv_proj, "qkv", h, lora)
@@ -192,15 +189,35 @@ class DecoderLayer(nn.Module):
     def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
         return partial if self.all_reduce is None else self.all_reduce(partial)
 
-    def _fused(self, x, cos, sin, kv_cache, d: FusedDecode) -> torch.Tensor:  # x updated
-        weights, bits, qkv_bias = self.fused
-        torch.ops.tandem_cpu.decode_layer(
-            x, weights, bits, qkv_bias, self.input_layernorm.weight,
+    def _fused(self, x, cos, sin, kv_cache, meta: RowAttention) -> torch.Tensor:  # x updated
+        weights, bits, sizes, qkv_bias = self.fused
+        torch.ops.tandem_cpu.fused_layer(
+            x, weights, bits, sizes, qkv_bias, self.input_layernorm.weight,
             self.post_attention_layernorm.weight, self.input_layernorm.eps, cos, sin,
-            kv_cache[0], kv_cache[1], d.slot_mapping, d.block_tables, d.row_tables, d.seq_lens,
-            self.num_heads, self.num_kv_heads, self.scale, self.sliding_window,
+            kv_cache[0], kv_cache[1], meta.slot_mapping, meta.block_tables, meta.row_tables,
+            meta.seq_lens, self.num_heads, self.num_kv_heads, self.scale, self.sliding_window,
         )  # fmt: skip
         return x
+
+    def _composed(self, x, cos, sin, kv_cache, meta: RowAttention, lora) -> torch.Tensor:
+        """fused_layer's steps one op at a time, adapters added to the projections' rows that
+        have one and tensor-parallel partial sums reduced: every other number is the fused
+        call's, bit for bit."""
+        ops = torch.ops.tandem_cpu
+        h = ops.rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps)
+        qkv = self._project(self.qkv_proj, "qkv", h, lora)  # [N, q + 2 kv]
+        ops.rope_store(
+            qkv, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping, self.num_heads,
+            self.num_kv_heads,
+        )  # fmt: skip
+        attn = ops.attend(
+            qkv, kv_cache[0], kv_cache[1], meta.block_tables, meta.row_tables, meta.seq_lens,
+            self.num_heads, self.num_kv_heads, self.head_dim, self.scale, self.sliding_window,
+        )  # fmt: skip
+        x = x + self._reduced(self._project(self.o_proj, "o", attn, lora))
+        h = ops.rms_norm(x, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+        act = ops.silu_mul(self._project(self.gate_up_proj, "gate_up", h, lora))
+        return x + self._reduced(self._project(self.down_proj, "down", act, lora))
 
     def _project(self, linear: Linear, group: str, x: torch.Tensor, lora) -> torch.Tensor:
         y = linear(x)
@@ -220,7 +237,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_quantized: QuantizedEmbedding | None = None
         self.lm_head_quantized: QuantizedLinear | None = None
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.fused_decode = False  # short-query rows run each layer as one C++ call (fuse_decode)
+        self.fused_layers = False  # every layer runs on the C++ kernels (fuse)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # [vocab, hidden], shared with the embedding when tied; F.linear reads it as is.
         self.lm_head_packed: torch.Tensor | None = None  # oneDNN copy for more than one row
@@ -257,6 +274,8 @@ class LlamaForCausalLM(nn.Module):
         sin = self.sin_cache[positions].unsqueeze(1)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_caches[i], meta, lora)
+        if isinstance(meta, RowAttention):  # the layers' own norm: rows on one numerics
+            return torch.ops.tandem_cpu.rms_norm(x, self.norm.weight, self.norm.eps)
         return self.norm(x)
 
     def pack_linear_weights(self) -> None:
@@ -287,9 +306,8 @@ class LlamaForCausalLM(nn.Module):
         """Quantized token embedding and LM head (the same weight when tied): the dense
         tensors are dropped."""
         self.embed_quantized = QuantizedEmbedding(embed, device, dtype)
-        # The LM head stays on one path at any row count: a verification step's logits are
-        # then bitwise a decode step's (the fused layers keep the hidden states so).
-        self.lm_head_quantized = QuantizedLinear(lm_head, None, device, dtype, bf16_gemm=False)
+        # The tandem kernel gives a row the same logits at any row count (quant_matmul.cpp).
+        self.lm_head_quantized = QuantizedLinear(lm_head, None, device, dtype)
         self.embed_tokens.weight = None
         self.lm_head_weight = None
 
@@ -307,12 +325,12 @@ class LlamaForCausalLM(nn.Module):
             head = QuantizedWeight.quantize(self.lm_head_weight, 8)
         self.set_quantized_embeddings(embed, head, device, dtype)
 
-    def fuse_decode(self) -> bool:
-        """Short-query rows through kernels/cpu/decode_layer.cpp where every layer can (float32,
-        quantized projections on the tandem kernel): see DecoderLayer.fuse."""
+    def fuse(self) -> bool:
+        """Every row through the C++ kernels where every layer can (float32, quantized
+        projections on the tandem kernel): see DecoderLayer.fuse."""
         fp32 = self.norm.weight.dtype == torch.float32
-        self.fused_decode = fp32 and all([layer.fuse() for layer in self.layers])
-        return self.fused_decode
+        self.fused_layers = fp32 and all([layer.fuse() for layer in self.layers])
+        return self.fused_layers
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, vocab]
         logits = self._head(hidden)  # [M, this rank's vocabulary rows]

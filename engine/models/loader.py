@@ -182,7 +182,7 @@ def load_model(
             shard_model(model, group)  # (the projections came split)
         release_freed_memory()
         model = model.to(device=device, dtype=dtype)
-        model.fuse_decode()
+        model.fuse()
         return model, cfg, hf_config
     state = _fused_state(cfg, _load_state(path))
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -200,7 +200,7 @@ def load_model(
         model = model.to(device=device, dtype=dtype)
     if quantization in ("int4", "int8"):
         model.quantize(4 if quantization == "int4" else 8)
-        model.fuse_decode()
+        model.fuse()
     elif device.type == "cpu" and dtype == torch.float32:
         if int8 and int8_linear_available():
             model.quantize_int8()

@@ -8,8 +8,10 @@ sub-scales are exact there.
 
 `QuantizedLinear` runs y = x W^T + b with the first of these that runs here:
 - "tandem": our C++ kernel (kernels/cpu/quant_matmul.cpp): activations quantized per 32 values
-  to int8 (as llama.cpp does), integer dot products per group (AVX-512 VNNI / AVX-VNNI / AVX2),
-  4- and 8-bit codes natively. Float32 in and out.
+  to int8 (as llama.cpp does), exact integer dot products per group (AVX-512 VNNI, AVX-VNNI or
+  AVX2), 4- and 8-bit codes natively, float32 in and out, and one order of float steps for
+  every output element: a row's result is the same bits whatever rows share its call (decode,
+  verification and prefill alike), on every instruction set.
 - "int4pack": torch's `_weight_int4pack_mm_for_cpu` (bf16 activations, bf16 scales and zeros,
   4-bit codes; 8-bit codes as two nibble halves over the input written twice, see `halves`).
 - "dense": the weight dequantized in the model's dtype (CUDA, or CPUs where neither runs).
@@ -24,12 +26,12 @@ import functools
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.attention import MAX_BATCHED_QUERY_LEN
-
 GROUP = 32  # values per scale along the input dimension
+TILE = 16  # output rows the tandem kernel interleaves (see _pack_tandem)
 BACKENDS = ("tandem", "int4pack", "dense")
 
 
@@ -179,18 +181,8 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def reference_matmul(x: torch.Tensor, weight: QuantizedWeight, backend: str) -> torch.Tensor:
     """In plain torch (float64 where the kernel's sums are exact), what `backend` computes."""
-    if backend == "tandem" and x.shape[0] >= BF16_GEMM_ROWS and bf16_gemm_is_fast():
-        w = weight.dequantize().bfloat16().float()  # bf16 GEMM, float32 sums
-        return (x.bfloat16().float() @ w.t()).bfloat16().float()
     if backend == "tandem":
-        p, dx = quantize_activations(x)  # [M, K], [M, G]
-        m, k = p.shape
-        p = p.double().reshape(m, k // GROUP, GROUP)
-        q = weight.codes.double().reshape(-1, k // GROUP, GROUP)
-        dots = torch.einsum("ngk,mgk->mng", q, p)  # exact integer sums per group
-        scale = weight.scales.double()[None] * dx.double()[:, None]  # [M, N, G]
-        offset = weight.offsets.double()[None] * (dx.double() * p.sum(-1))[:, None]
-        return (dots * scale + offset).sum(-1).float()
+        return _reference_tandem(x, weight)
     if backend == "int4pack":  # bf16 inputs and parameters, float32 sums, a bf16 result
         codes, scales, zeros = weight.halves()  # [N, K h], [N, K h / GROUP]
         n = codes.shape[0]
@@ -199,6 +191,31 @@ def reference_matmul(x: torch.Tensor, weight: QuantizedWeight, backend: str) -> 
         w = (c * s[..., None] + z[..., None]).reshape(n, -1, weight.in_features).sum(1)
         return (x.bfloat16().float() @ w.t()).bfloat16().float()
     return x.float() @ weight.dequantize().t()
+
+
+def _reference_tandem(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:  # [M, N]
+    """The kernel's order for each output: acc = fma(float(D), d dx, acc), then
+    acc = fma(m, sx, acc), group after group, D the exact integer dot product of the group's
+    codes and activation codes. fma emulated in long double (64-bit mantissas: a float32
+    product is exact there, so only a sum's rounding twice could differ, a 2^-40 chance)."""
+    p, dx = quantize_activations(x)  # [M, K], [M, G]
+    m, k = p.shape
+    p = p.reshape(m, k // GROUP, GROUP)
+    codes = weight.codes.double().reshape(-1, k // GROUP, GROUP)
+    dots = torch.einsum("ngk,mgk->mgn", codes, p.double()).float()  # [M, G, N] exact
+    sx = dx * p.sum(-1)  # [M, G] float32, as the kernel's dx * float(sum p)
+    scale = weight.scales.t()[None] * dx[..., None]  # [M, G, N] float32 products
+    offset = weight.offsets.t()[None].expand_as(scale)
+
+    def fma(a: torch.Tensor, b: torch.Tensor, c: np.ndarray) -> np.ndarray:
+        wide = np.longdouble
+        return (a.numpy().astype(wide) * b.numpy().astype(wide) + c).astype(np.float32)
+
+    acc = np.zeros((m, weight.out_features), np.float32)
+    for g in range(k // GROUP):
+        acc = fma(dots[:, g], scale[:, g], acc)
+        acc = fma(offset[:, g], sx[:, g, None].expand(m, weight.out_features), acc)
+    return torch.from_numpy(acc)
 
 
 class QuantizedLinear:
@@ -211,12 +228,10 @@ class QuantizedLinear:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         backend: str | None = None,
-        bf16_gemm: bool = True,  # the tandem backend's bf16 GEMM for many rows (prefill)
     ):
         self.out_features, self.in_features = weight.out_features, weight.in_features
         self.bits = weight.bits
         self.backend = backend or choose_backend(device, weight.out_features)
-        self.bf16_gemm = self.backend == "tandem" and bf16_gemm and bf16_gemm_is_fast()
         self.bias = None if bias is None else bias.to(device=device, dtype=dtype)
         if self.backend == "tandem":
             self.codes, self.scales, self.offsets = _pack_tandem(weight)
@@ -231,8 +246,6 @@ class QuantizedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [M, K] -> [M, N] in x's dtype
         if self.backend == "tandem":
-            if self.bf16_gemm and x.shape[0] >= BF16_GEMM_ROWS:
-                return self._bf16_gemm(x)
             y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
             torch.ops.tandem_cpu.linear_out(
                 x.float().contiguous(), self.codes, self.scales, self.offsets, self.bits,
@@ -248,67 +261,26 @@ class QuantizedLinear:
             return y if self.bias is None else y.add_(self.bias)
         return F.linear(x, self.dense, self.bias)
 
-    def _bf16_gemm(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N] in x's dtype
-        """Many rows (prefill): the weight dequantized to bf16 a slice of rows at a time (kept
-        in cache) and a bf16 GEMM (oneDNN) over bf16 activations, float32 sums."""
-        xb = x.bfloat16()
-        parts = []
-        for n0 in range(0, self.out_features, BF16_SLICE_ROWS):
-            n1 = n0 + BF16_SLICE_ROWS
-            w = torch.ops.tandem_cpu.dequantize_bf16(
-                self.codes[n0:n1], self.scales[n0:n1], self.offsets[n0:n1], self.bits,
-                self.in_features,
-            )  # fmt: skip
-            parts.append(F.linear(xb, w))
-        y = (torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]).to(x.dtype)
-        return y if self.bias is None else y.add_(self.bias)
-
-
-# From this many rows on, where the CPU multiplies bf16 fast (AVX512-BF16 or AMX), the tandem
-# backend runs a bf16 GEMM over its weight dequantized per call instead of the int8 path: about
-# even at 17-32 rows, 1.7x faster per projection at 64 rows and 2.1x at 256 on a Zen 4 core
-# (bench/RESULTS.md); without fast bf16 (AVX2-only CPUs) it never pays. 17: one more than the
-# longest query the fused layers take (engine.attention.MAX_BATCHED_QUERY_LEN), so with fused
-# layers every prefill row takes this path and every decode or verification row the int8 one,
-# whatever else shares the step (oneDNN's bf16 GEMM gives a row the same bits at any row count).
-BF16_GEMM_ROWS = MAX_BATCHED_QUERY_LEN + 1
-BF16_SLICE_ROWS = 4096  # weight rows dequantized at once: 4.7 MB of bf16 at K = 576
-
-
-@functools.cache
-def bf16_gemm_is_fast() -> bool:
-    """The CPU multiplies bf16 natively (AVX512-BF16 or AMX) and torch's bf16 GEMM gives a row
-    the same bits at any row count (checked once here, as the engine relies on it)."""
-    cpu = torch.cpu
-    if not (cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported()):
-        return False
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(256, 576, generator=g).bfloat16()
-    x = torch.randn(300, 576, generator=g).bfloat16()
-    full = F.linear(x, w)
-    return all(
-        torch.equal(F.linear(x[300 - n :], w), full[300 - n :])
-        for n in (BF16_GEMM_ROWS, 33, 64, 129)
-    )
-
 
 def _pack_tandem(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The tandem kernel's layout (kernels/cpu/quant_matmul.cpp): K padded to a multiple of 64
-    with zero groups; 4-bit codes two per byte (byte j of each 32-byte unit u: input 64u + j
-    low, 64u + 32 + j high); 8-bit codes as bytes, signed (q - 128, offset + 128 d) where the
-    kernel multiplies signed weights."""
+    """The tandem kernel's layout (kernels/cpu/quant_matmul.cpp): output rows in tiles of TILE
+    (zero rows pad the last), each tile's group a unit of 64-byte chunks, chunk c holding row
+    j's codes for inputs 4c..4c+3 at bytes 4j..4j+3 (8 chunks; 4-bit codes: chunk c in the low
+    nibbles of 4 chunks, chunk c + 4 in the high ones). Returns codes [T, G, unit bytes] and
+    scales and offsets [T, G, TILE]."""
     n, k = weight.codes.shape
-    kp = -(-k // 64) * 64
-    codes = F.pad(weight.codes, (0, kp - k))
-    scales = F.pad(weight.scales, (0, (kp - k) // GROUP)).contiguous()
-    offsets = F.pad(weight.offsets, (0, (kp - k) // GROUP))
+    tiles, groups = -(-n // TILE), k // GROUP
+    rows = tiles * TILE
+    codes = F.pad(weight.codes, (0, 0, 0, rows - n)).reshape(tiles, TILE, groups, 8, 4)
+    chunks = codes.permute(0, 2, 3, 1, 4).reshape(tiles, groups, 8, 4 * TILE)
     if weight.bits == 4:
-        units = codes.reshape(n, kp // 64, 2, 32)
-        codes = units[:, :, 0] | (units[:, :, 1] << 4)
-    elif torch.ops.tandem_cpu.signed_8bit():
-        codes = (codes.to(torch.int16) - 128).to(torch.int8).view(torch.uint8)
-        offsets = offsets + 128 * scales
-    return codes.reshape(n, -1).contiguous(), scales, offsets.contiguous()
+        chunks = chunks[:, :, :4] | (chunks[:, :, 4:] << 4)
+
+    def by_tile(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [T, G, TILE]
+        return F.pad(t, (0, 0, 0, rows - n)).reshape(tiles, TILE, groups).transpose(1, 2)
+
+    packed = chunks.reshape(tiles, groups, -1).contiguous()
+    return packed, by_tile(weight.scales).contiguous(), by_tile(weight.offsets).contiguous()
 
 
 def _pack_int4(codes: torch.Tensor, rows_per_chunk: int = 4096) -> torch.Tensor:

@@ -1,28 +1,31 @@
-// Weight-only quantized matmul for CPU decode: y = x W^T + b with W in 4- or 8-bit codes.
+// Weight-only quantized matmul on CPU: y = x W^T + b with W in 4- or 8-bit codes, one numerics
+// for every row whatever else shares the call (decode, verification and prefill alike).
 //
-// Weights: per output row, groups of G = 32 inputs share a scale d and an offset m, and
+// Weights: per output row n, groups g of G = 32 inputs share a scale d and an offset m, and
 // w = d q + m with q the code (the affine form of GGUF's Q4_0/Q4_1/Q4_K/Q5_x/Q8_0 blocks).
-// Activations: each row quantized per 32 values to int8 (llama.cpp's Q8 activations):
-// x ~= dx p with dx = max|x| / 127, p = round(x / dx). Then per group
-//     sum_i w_i x_i ~= d dx sum_i q_i p_i + m dx sum_i p_i,
-// the first sum an exact int32 dot product (one VNNI instruction per 32 values, or
-// maddubs + madd on AVX2), the second precomputed once per activation group (s = dx sum p).
+// Activations: each row quantized per group to int8 (llama.cpp's Q8 activations):
+// x ~= dx p with dx = max|x| / 127, p = round(x / dx), and sx = dx sum(p). Then
+//     y[r, n] = sum_g  d dx D + m sx,   D = sum_{i in g} q_i p_i  (an exact int32),
+// and every output element is evaluated in exactly this order, in float32:
+//     acc = 0;  for g in order:  acc = fma(float(D), d * dx, acc);  acc = fma(m, sx, acc)
+//     y = acc (+ b)
+// The integer D is exact on every instruction set (VNNI's u8 x s8 dot product, or AVX2's
+// maddubs + madd, 8-bit codes split in two nibbles so no i16 pair saturates), and the float
+// steps are the same instructions, so a row's result does not depend on how many rows share
+// the call, how they are tiled, which thread runs them, or which of the three paths built it.
 //
-// Layouts (built by engine/models/quantized.py, widths padded to Kp, a multiple of 64):
-// - 4 bits: [N, Kp / 2] bytes; in each 32-byte unit u, byte j holds the code of input 64u + j
-//   in its low nibble and of input 64u + 32 + j in its high nibble, so one load, one AND and
-//   one shift give two groups in input order.
-// - 8 bits: [N, Kp] bytes, unsigned codes where VNNI multiplies u8 x s8 directly; on AVX2
-//   (maddubs saturates u8 x s8 pairs) signed codes q - 128, with m absorbing the 128 d, and
-//   the sign trick |w| x sign(p, w).
-// - d, m: [N, Kp / 32] float32 (exact for every GGUF type read; padded groups are 0).
-//
-// Every output element is computed by the same instruction sequence whatever the number of
-// rows in the call, so a row's result does not depend on what it is batched with.
+// Layout (built by engine/models/quantized.py `_pack_tandem`): output rows in tiles of 16 (N
+// padded with zero rows), inputs in groups of 32 (K padded with zero groups). One tile's group
+// is a unit of 64-byte chunks: chunk c (inputs 4c..4c+3) holds row j's four codes in bytes
+// 4j..4j+3, so one VNNI instruction against the activation's four bytes broadcast gives all 16
+// rows' partial sums, and eight of them the group's D for the whole tile, with no horizontal
+// sums. 8 bits: 8 chunks (512 bytes); 4 bits: 4 chunks (256 bytes), chunk c in the low nibbles
+// and chunk c + 4 in the high ones. d, m: [N / 16, G, 16] float32 (exact for every GGUF type
+// read). 256-bit paths take a tile as two halves of 8 rows (the first 32 bytes of each chunk,
+// then the last 32).
 #include "quant_matmul.h"
 
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -35,11 +38,12 @@ namespace tandem {
 namespace {
 
 constexpr int64_t G = 32;
-constexpr int64_t kMaxGroups = 1024;  // K up to 32768
+constexpr int64_t kTile = 16;  // output rows per tile
+constexpr int64_t kMaxRowTile = 8;  // activation rows that share a tile's unpacked codes
 
 #if TANDEM_HAVE_KERNEL
-// One group of 32 floats -> 32 int8 codes p, dx, dx * sum(p). Round half to even (the
-// default MXCSR mode), as torch.round in the Python reference.
+// One group of 32 floats (n of them real, the rest zero) -> 32 int8 codes p, dx, dx * sum(p).
+// Round half to even (the default MXCSR mode), as torch.round in the Python reference.
 inline void quantize_group(const float* x, int n, int8_t* p, float* dx, float* sx) {
   alignas(32) float buf[G];
   for (int i = 0; i < G; ++i) buf[i] = i < n ? x[i] : 0.0f;
@@ -79,122 +83,149 @@ struct Activations {
   int64_t kp;
 };
 
-// The groups' offset terms: sum over groups of m_g s_g, 8 at a time, then in order.
-inline float offset_term(const float* m, const float* s, int64_t groups) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t g = 0;
-  for (; g + 8 <= groups; g += 8) {
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(m + g), _mm256_loadu_ps(s + g), acc);
-  }
-  float r = hsum(acc);
-  for (; g < groups; ++g) r += m[g] * s[g];
-  return r;
+inline int32_t word(const int8_t* p) {  // four activation codes as one int32 (to broadcast)
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
 }
 
-// MT activation rows against one 4-bit weight row: two groups per 32-byte unit.
-template <int MT>
-inline void row4(const uint8_t* w, const float* d, const float* m, const Activations& a,
-                 int64_t first, float* out, int64_t ldo) {
-  const int64_t groups = a.kp / G;
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  __m256 acc[MT];
-  for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps();
-  for (int64_t u = 0; u < groups / 2; ++u) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * u));
-    const __m256i lo = _mm256_and_si256(v, low);
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-    for (int t = 0; t < MT; ++t) {
-      const int64_t r = first + t;
-      const int8_t* p = a.p + r * a.kp + 64 * u;
-      const float* dx = a.dx + r * groups + 2 * u;
-      const __m256i p0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-      const __m256i p1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(lo, p0)),
-                               _mm256_set1_ps(d[2 * u] * dx[0]), acc[t]);
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(hi, p1)),
-                               _mm256_set1_ps(d[2 * u + 1] * dx[1]), acc[t]);
-    }
-  }
-  for (int t = 0; t < MT; ++t) {
-    out[t * ldo] = hsum(acc[t]) + offset_term(m, a.sx + (first + t) * groups, groups);
-  }
-}
-
-// MT activation rows against one 8-bit weight row.
-template <int MT>
-inline void row8(const uint8_t* w, const float* d, const float* m, const Activations& a,
-                 int64_t first, float* out, int64_t ldo) {
-  const int64_t groups = a.kp / G;
-  __m256 acc[MT];
-  for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * g));
-    for (int t = 0; t < MT; ++t) {
-      const int64_t r = first + t;
-      const __m256i p =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.p + r * a.kp + 32 * g));
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_w8(v, p)),
-                               _mm256_set1_ps(d[g] * a.dx[r * groups + g]), acc[t]);
-    }
-  }
-  for (int t = 0; t < MT; ++t) {
-    out[t * ldo] = hsum(acc[t]) + offset_term(m, a.sx + (first + t) * groups, groups);
-  }
-}
-
+#if TANDEM_AVX512
+// MT activation rows against one 16-row tile: acc[t] holds row first + t's 16 outputs.
 template <int BITS, int MT>
-inline void rows(const uint8_t* w, const float* d, const float* m, int64_t row_bytes,
-                 int64_t groups, const Activations& a, int64_t first, int64_t n0, int64_t n1,
-                 float* y, int64_t ldy) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* wn = w + n * row_bytes;
-    float* out = y + first * ldy + n;
-    if constexpr (BITS == 4) {
-      row4<MT>(wn, d + n * groups, m + n * groups, a, first, out, ldy);
-    } else {
-      row8<MT>(wn, d + n * groups, m + n * groups, a, first, out, ldy);
+inline void tile(const uint8_t* w, const float* d, const float* m, const Activations& a,
+                 int64_t first, float* y, int64_t ldy, int64_t width, const float* bias) {
+  const int64_t groups = a.kp / G;
+  constexpr int64_t unit = BITS == 4 ? 256 : 512;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* u = w + g * unit;
+    __m512i chunk[8];
+    for (int c = 0; c < (BITS == 4 ? 4 : 8); ++c) {
+      const __m512i v = _mm512_loadu_si512(u + 64 * c);
+      if constexpr (BITS == 4) {
+        chunk[c] = _mm512_and_si512(v, low);
+        chunk[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      } else {
+        chunk[c] = v;
+      }
+    }
+    const __m512 dg = _mm512_loadu_ps(d + g * kTile), mg = _mm512_loadu_ps(m + g * kTile);
+    for (int t = 0; t < MT; ++t) {
+      const int64_t r = first + t;
+      const int8_t* p = a.p + r * a.kp + g * G;
+      __m512i dot = _mm512_setzero_si512();
+      for (int c = 0; c < 8; ++c) dot = dpbusd512(dot, chunk[c], _mm512_set1_epi32(word(p + 4 * c)));
+      const __m512 scale = _mm512_mul_ps(dg, _mm512_set1_ps(a.dx[r * groups + g]));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[t]);
+      acc[t] = _mm512_fmadd_ps(mg, _mm512_set1_ps(a.sx[r * groups + g]), acc[t]);
+    }
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << width) - 1);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+  for (int t = 0; t < MT; ++t) {
+    const __m512 out = bias ? _mm512_add_ps(acc[t], b) : acc[t];
+    _mm512_mask_storeu_ps(y + (first + t) * ldy, mask, out);
+  }
+}
+#else
+// 256 bits: the tile as two halves of 8 rows, each the same steps as the 512-bit path's lanes.
+template <int BITS, int MT>
+inline void tile(const uint8_t* w, const float* d, const float* m, const Activations& a,
+                 int64_t first, float* y, int64_t ldy, int64_t width, const float* bias) {
+  const int64_t groups = a.kp / G;
+  constexpr int64_t unit = BITS == 4 ? 256 : 512;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int half = 0; half < 2 && 8 * half < width; ++half) {
+    __m256 acc[MT];
+    for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* u = w + g * unit + 32 * half;
+      __m256i chunk[8];
+      for (int c = 0; c < (BITS == 4 ? 4 : 8); ++c) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 64 * c));
+        if constexpr (BITS == 4) {
+          chunk[c] = _mm256_and_si256(v, low);
+          chunk[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        } else {
+          chunk[c] = v;
+        }
+      }
+      const __m256 dg = _mm256_loadu_ps(d + g * kTile + 8 * half);
+      const __m256 mg = _mm256_loadu_ps(m + g * kTile + 8 * half);
+      for (int t = 0; t < MT; ++t) {
+        const int64_t r = first + t;
+        const int8_t* p = a.p + r * a.kp + g * G;
+        __m256i dot = _mm256_setzero_si256();
+        for (int c = 0; c < 8; ++c) {
+          dot = dot_add<BITS>(dot, chunk[c], _mm256_set1_epi32(word(p + 4 * c)));
+        }
+        const __m256 scale = _mm256_mul_ps(dg, _mm256_set1_ps(a.dx[r * groups + g]));
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[t]);
+        acc[t] = _mm256_fmadd_ps(mg, _mm256_set1_ps(a.sx[r * groups + g]), acc[t]);
+      }
+    }
+    const int64_t n = std::min<int64_t>(8, width - 8 * half);
+    for (int t = 0; t < MT; ++t) {
+      alignas(32) float out[8];
+      _mm256_store_ps(out, acc[t]);
+      float* row = y + (first + t) * ldy + 8 * half;
+      for (int64_t j = 0; j < n; ++j) row[j] = bias ? out[j] + bias[8 * half + j] : out[j];
     }
   }
 }
+#endif
 
 template <int BITS>
-void matmul(const uint8_t* w, const float* d, const float* m, int64_t n_rows,
-            const Activations& a, int64_t num_rows, float* y, int64_t ldy) {
-  constexpr int64_t kBlock = 64;  // weight rows per task: re-read from cache per row tile
+void matmul(const QuantizedMatrix& w, const Activations& a, int64_t num_rows, float* y,
+            int64_t ldy) {
   const int64_t groups = a.kp / G;
-  const int64_t row_bytes = BITS == 4 ? a.kp / 2 : a.kp;
-  at::parallel_for(0, (n_rows + kBlock - 1) / kBlock, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * kBlock, n1 = std::min(n_rows, n0 + kBlock);
+  const int64_t tile_bytes = groups * (BITS == 4 ? 256 : 512);
+  const int64_t num_tiles = (w.rows + kTile - 1) / kTile;
+  at::parallel_for(0, num_tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t i = t0; i < t1; ++i) {
+      const uint8_t* codes = w.codes + i * tile_bytes;
+      const float* d = w.d + i * groups * kTile;
+      const float* m = w.m + i * groups * kTile;
+      const int64_t width = std::min(kTile, w.rows - i * kTile);
+      const float* bias = w.bias ? w.bias + i * kTile : nullptr;
+      float* out = y + i * kTile;
       int64_t r = 0;
-      for (; r + 4 <= num_rows; r += 4) rows<BITS, 4>(w, d, m, row_bytes, groups, a, r, n0, n1, y, ldy);
+      for (; r + kMaxRowTile <= num_rows; r += kMaxRowTile) {
+        tile<BITS, kMaxRowTile>(codes, d, m, a, r, out, ldy, width, bias);
+      }
       switch (num_rows - r) {
-        case 3: rows<BITS, 3>(w, d, m, row_bytes, groups, a, r, n0, n1, y, ldy); break;
-        case 2: rows<BITS, 2>(w, d, m, row_bytes, groups, a, r, n0, n1, y, ldy); break;
-        case 1: rows<BITS, 1>(w, d, m, row_bytes, groups, a, r, n0, n1, y, ldy); break;
+        case 7: tile<BITS, 7>(codes, d, m, a, r, out, ldy, width, bias); break;
+        case 6: tile<BITS, 6>(codes, d, m, a, r, out, ldy, width, bias); break;
+        case 5: tile<BITS, 5>(codes, d, m, a, r, out, ldy, width, bias); break;
+        case 4: tile<BITS, 4>(codes, d, m, a, r, out, ldy, width, bias); break;
+        case 3: tile<BITS, 3>(codes, d, m, a, r, out, ldy, width, bias); break;
+        case 2: tile<BITS, 2>(codes, d, m, a, r, out, ldy, width, bias); break;
+        case 1: tile<BITS, 1>(codes, d, m, a, r, out, ldy, width, bias); break;
         default: break;
       }
     }
   });
 }
-
 #endif
 
 }  // namespace
 
 QuantizedMatrix matrix(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
-                       int64_t bits, const std::optional<at::Tensor>& bias) {
+                       int64_t bits, int64_t rows, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(bits == 4 || bits == 8, "tandem_cpu: bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 2,
-              "tandem_cpu: codes must be contiguous uint8 [N, bytes]");
-  const int64_t rows = codes.size(0);
-  const int64_t kp = bits == 4 ? codes.size(1) * 2 : codes.size(1);
-  TORCH_CHECK(kp % 64 == 0 && kp / G <= kMaxGroups, "tandem_cpu: padded K ", kp,
-              " must be a multiple of 64, at most ", kMaxGroups * G);
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 3,
+              "tandem_cpu: codes must be contiguous uint8 [N / 16, G, unit bytes]");
+  const int64_t tiles = codes.size(0), groups = codes.size(1);
+  TORCH_CHECK(codes.size(2) == (bits == 4 ? 256 : 512) && rows > (tiles - 1) * kTile &&
+                  rows <= tiles * kTile,
+              "tandem_cpu: codes ", codes.sizes(), " do not hold ", rows, " rows of ", bits,
+              "-bit codes");
   for (const at::Tensor* t : {&d, &m}) {
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() &&
-                    t->numel() == rows * (kp / G),
-                "tandem_cpu: scales and offsets must be contiguous float32 [N, Kp / 32]");
+                    t->numel() == tiles * groups * kTile,
+                "tandem_cpu: scales and offsets must be contiguous float32 [N / 16, G, 16]");
   }
   const float* b = nullptr;
   if (bias.has_value()) {
@@ -203,14 +234,14 @@ QuantizedMatrix matrix(const at::Tensor& codes, const at::Tensor& d, const at::T
                 "tandem_cpu: bias must be contiguous float32 [N]");
     b = bias->data_ptr<float>();
   }
-  return {codes.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), b, rows, kp,
-          static_cast<int>(bits)};
+  return {codes.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), b, rows,
+          groups * G, static_cast<int>(bits)};
 }
 
 void linear(const QuantizedMatrix& w, const float* x, int64_t num_rows, int64_t k, float* y,
             int64_t ldy) {
 #if TANDEM_HAVE_KERNEL
-  TORCH_CHECK(k <= w.kp && w.kp - k < 64, "tandem_cpu: x has ", k,
+  TORCH_CHECK(k <= w.kp && w.kp - k < G, "tandem_cpu: x has ", k,
               " columns for a weight padded to ", w.kp);
   const int64_t groups = w.kp / G;
   // Activation codes: one buffer per calling thread, grown as needed (decode reuses it).
@@ -233,14 +264,9 @@ void linear(const QuantizedMatrix& w, const float* x, int64_t num_rows, int64_t 
   });
   const Activations a{p, dx, sx, w.kp};
   if (w.bits == 4) {
-    matmul<4>(w.codes, w.d, w.m, w.rows, a, num_rows, y, ldy);
+    matmul<4>(w, a, num_rows, y, ldy);
   } else {
-    matmul<8>(w.codes, w.d, w.m, w.rows, a, num_rows, y, ldy);
-  }
-  if (w.bias != nullptr) {
-    for (int64_t r = 0; r < num_rows; ++r) {
-      for (int64_t n = 0; n < w.rows; ++n) y[r * ldy + n] += w.bias[n];
-    }
+    matmul<8>(w, a, num_rows, y, ldy);
   }
 #else
   TORCH_CHECK(false, "tandem_cpu: built without AVX2 and FMA");
@@ -254,74 +280,22 @@ namespace {
 void linear_out(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
                 const at::Tensor& m, int64_t bits, const std::optional<at::Tensor>& bias,
                 at::Tensor y) {
-  const QuantizedMatrix w = matrix(codes, d, m, bits, bias);
+  TORCH_CHECK(y.scalar_type() == at::kFloat && y.dim() == 2 && y.size(0) == x.size(0) &&
+                  y.stride(1) == 1,
+              "tandem_cpu: y must be float32 [M, N] with unit column stride");
+  const QuantizedMatrix w = matrix(codes, d, m, bits, y.size(1), bias);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "tandem_cpu: x must be contiguous float32 [M, K]");
-  TORCH_CHECK(y.scalar_type() == at::kFloat && y.dim() == 2 && y.size(0) == x.size(0) &&
-                  y.size(1) == w.rows && y.stride(1) == 1,
-              "tandem_cpu: y must be float32 [M, N] with unit column stride");
   linear(w, x.data_ptr<float>(), x.size(0), x.size(1), y.data_ptr<float>(), y.stride(0));
 }
 
-// Round to nearest even (bf16 keeps the top 16 bits of a float32; no NaNs arise here).
-inline uint16_t to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
-}
-
-// w [N, k] = d c + m over the stored codes c (d q + m exactly, but for AVX2's signed 8-bit
-// codes, stored as q - 128 with m + 128 d), rounded to bf16: for GEMMs with many rows, where
-// a bf16 GEMM (oneDNN, AVX512-BF16 or AMX) over weights dequantized per call beats the int8
-// path (see engine/models/quantized.py).
-at::Tensor dequantize_bf16(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
-                           int64_t bits, int64_t k) {
-  const QuantizedMatrix w = matrix(codes, d, m, bits, {});
-  TORCH_CHECK(k <= w.kp && w.kp - k < 64, "tandem_cpu: k ", k, " for a weight padded to ", w.kp);
-  auto out = at::empty({w.rows, k}, d.options().dtype(at::kBFloat16));
-  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const int64_t groups = w.kp / G, row_bytes = w.bits == 4 ? w.kp / 2 : w.kp;
-  const bool is_signed = w.bits == 8 && kSigned8;
-  at::parallel_for(0, w.rows, 16, [&](int64_t n0, int64_t n1) {
-    alignas(64) float q[64];
-    alignas(64) float vals[64];
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* c = w.codes + n * row_bytes;
-      for (int64_t u = 0; u < w.kp / 64; ++u) {  // 64 inputs: two groups
-        if (w.bits == 4) {
-          for (int j = 0; j < 32; ++j) {
-            q[j] = static_cast<float>(c[32 * u + j] & 15);
-            q[32 + j] = static_cast<float>(c[32 * u + j] >> 4);
-          }
-        } else if (is_signed) {
-          for (int j = 0; j < 64; ++j) q[j] = static_cast<float>(static_cast<int8_t>(c[64 * u + j]));
-        } else {
-          for (int j = 0; j < 64; ++j) q[j] = static_cast<float>(c[64 * u + j]);
-        }
-        for (int h = 0; h < 2; ++h) {
-          const float dg = w.d[n * groups + 2 * u + h], mg = w.m[n * groups + 2 * u + h];
-          for (int j = 0; j < 32; ++j) vals[32 * h + j] = dg * q[32 * h + j] + mg;
-        }
-        const int64_t width = std::min<int64_t>(64, k - 64 * u);
-        uint16_t* row = o + n * k + 64 * u;
-        for (int64_t j = 0; j < width; ++j) row[j] = to_bf16(vals[j]);
-      }
-    }
-  });
-  return out;
-}
-
 std::string isa() { return kIsa; }
-bool signed_8bit() { return kSigned8; }
 
 }  // namespace
 }  // namespace tandem
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, lib) {
   lib.def("isa() -> str", &tandem::isa);
-  lib.def("signed_8bit() -> bool", &tandem::signed_8bit);
-  lib.def("dequantize_bf16(Tensor codes, Tensor d, Tensor m, int bits, int k) -> Tensor",
-          &tandem::dequantize_bf16);
   lib.def(
       "linear_out(Tensor x, Tensor codes, Tensor d, Tensor m, int bits, Tensor? bias, "
       "Tensor(a!) y) -> ()",

@@ -14,34 +14,42 @@ namespace tandem {
 #if defined(__AVX2__) && defined(__FMA__)
 #define TANDEM_HAVE_KERNEL 1
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+// The group dot products (quant_matmul.cpp): exact int32 sums of u8 codes x s8 activations.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define TANDEM_AVX512 1
 constexpr const char* kIsa = "avx512-vnni";
-constexpr bool kSigned8 = false;
-inline __m256i dot_u8s8(__m256i a, __m256i b) {  // 8 lanes, each sum of 4 products
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);
+inline __m512i dpbusd512(__m512i acc, __m512i a, __m512i b) {  // 16 lanes += 4 products each
+  return _mm512_dpbusd_epi32(acc, a, b);
 }
-#elif defined(__AVXVNNI__)
+#else
+#define TANDEM_AVX512 0
+#if defined(__AVXVNNI__)
 constexpr const char* kIsa = "avx-vnni";
-constexpr bool kSigned8 = false;
-inline __m256i dot_u8s8(__m256i a, __m256i b) {
-  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), a, b);
+template <int BITS>
+inline __m256i dot_add(__m256i acc, __m256i w, __m256i p) {  // 8 lanes += 4 products each
+  return _mm256_dpbusd_avx_epi32(acc, w, p);
 }
 #else
 constexpr const char* kIsa = "avx2";
-constexpr bool kSigned8 = true;
-inline __m256i dot_u8s8(__m256i a, __m256i b) {  // exact while |a b + a' b'| < 2^15
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
-}
-#endif
-
-// 8-bit weights against int8 activations.
-inline __m256i dot_w8(__m256i w, __m256i p) {
-  if constexpr (kSigned8) {  // |w| <= 128, |p| <= 127: pairs stay below 2^15
-    return dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(p, w));
+// maddubs adds pairs of u8 x s8 products in int16, saturating past 2^15: 4-bit codes stay far
+// below it (2 * 15 * 127); 8-bit codes q = 16 hi + lo are taken as their two nibbles.
+template <int BITS>
+inline __m256i dot_add(__m256i acc, __m256i w, __m256i p) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (BITS == 4) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, p), ones));
   } else {
-    return dot_u8s8(w, p);
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+    const __m256i lo = _mm256_and_si256(w, low);
+    const __m256i sum = _mm256_add_epi32(
+        _mm256_madd_epi16(_mm256_maddubs_epi16(hi, p), _mm256_set1_epi16(16)),
+        _mm256_madd_epi16(_mm256_maddubs_epi16(lo, p), ones));
+    return _mm256_add_epi32(acc, sum);
   }
 }
+#endif
+#endif
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -80,7 +88,6 @@ inline __m256 exp256(__m256 x) {
 #else
 #define TANDEM_HAVE_KERNEL 0
 constexpr const char* kIsa = "none";
-constexpr bool kSigned8 = false;
 #endif
 
 }  // namespace tandem

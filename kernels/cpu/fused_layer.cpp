@@ -1,0 +1,377 @@
+// One Llama-family decoder layer over any rows (decode tokens, verification rows, prefill
+// chunks), in one call:
+//
+//   h = rms_norm(x) w1;  q, k, v = h Wqkv^T (+ b);  rotate q, k (RoPE, rotate-half);
+//   store k, v at the tokens' cache slots;  a = softmax(q K^T scale) V over each row's paged
+//   context up to its own position (sliding window if any);  x += a Wo^T;
+//   h = rms_norm(x) w2;  g, u = h Wgu^T;  x += (silu(g) u) Wdown^T
+//
+// the same math as engine/models/llama.py's DecoderLayer, with the four projections on the
+// quantized kernel (quant_matmul.cpp). Float32 throughout. Every row goes through the same
+// instructions whatever else is in the call, and attends its own context one row at a time, so
+// a row's numbers depend only on its request's tokens: a prompt cached or not, chunked one way
+// or another, recomputed after preemption, or a verification row in place of the same token's
+// decode step, all give the same bits. The pieces are ops of their own too (rms_norm,
+// rope_store, attend, silu_mul): the Python layer composes them around LoRA and tensor-parallel
+// sums with the same results for every row those do not touch.
+//
+// Cache layout (kernels/reference.py): [Hkv, num_blocks, block_size, D] for K and V; a slot is
+// block * block_size + offset; block tables are padded with the null block 0.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "quant_matmul.h"
+#include "simd.h"
+
+namespace tandem {
+namespace {
+
+#if TANDEM_HAVE_KERNEL
+// n a multiple of 8 (head_dim and hidden sizes are).
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  }
+  return hsum(acc);
+}
+
+inline void axpy(float a, const float* x, float* y, int64_t n) {  // y += a x
+  const __m256 va = _mm256_set1_ps(a);
+  for (int64_t i = 0; i < n; i += 8) {
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  }
+}
+
+// out = w * (x / sqrt(mean(x^2) + eps)), as RMSNorm in float32.
+void rms_norm(const float* x, const float* w, float eps, int64_t n, float* out) {
+  const float inv = 1.0f / std::sqrt(dot(x, x, n) / static_cast<float>(n) + eps);
+  const __m256 vinv = _mm256_set1_ps(inv);
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 h = _mm256_mul_ps(_mm256_loadu_ps(x + i), vinv);
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), h));
+  }
+}
+
+// x [D] rotated in place: x' = x cos + rotate_half(x) sin, rotate_half(x) = [-x2, x1].
+void rope(float* x, const float* cos, const float* sin, int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[i], b = x[i + half];
+    x[i] = a * cos[i] - b * sin[i];
+    x[i + half] = b * cos[i + half] + a * sin[i + half];
+  }
+}
+
+// In place: s[0:n] = exp(s - max) / sum, returned unnormalized; the sum is the result.
+float softmax_unnormalized(float* s, int64_t n) {
+  float top = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) top = std::max(top, s[i]);
+  const __m256 vtop = _mm256_set1_ps(top);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + i), vtop));
+    _mm256_storeu_ps(s + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  float total = hsum(acc);
+  if (i < n) {  // the tail through a padded buffer (same exp as the body)
+    alignas(32) float buf[8] = {0};
+    for (int64_t j = i; j < n; ++j) buf[j - i] = s[j];
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_load_ps(buf), vtop));
+    _mm256_store_ps(buf, e);
+    for (int64_t j = i; j < n; ++j) {
+      s[j] = buf[j - i];
+      total += s[j];
+    }
+  }
+  return total;
+}
+
+void silu_mul(const float* gate, const float* up, float* out, int64_t n) {  // n % 8 == 0
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + i)));
+  }
+}
+#endif
+
+struct Cache {
+  float* data;
+  int64_t head_stride, block_stride, slot_stride, block_size;
+  float* at(int64_t head, int64_t block, int64_t offset) const {
+    return data + head * head_stride + block * block_stride + offset * slot_stride;
+  }
+};
+
+Cache view(at::Tensor& cache, int64_t num_kv_heads, int64_t head_dim) {
+  TORCH_CHECK(cache.scalar_type() == at::kFloat && cache.dim() == 4 &&
+                  cache.size(0) == num_kv_heads && cache.size(3) == head_dim &&
+                  cache.stride(3) == 1,
+              "tandem_cpu: caches must be float32 [Hkv, num_blocks, block_size, D]");
+  return {cache.data_ptr<float>(), cache.stride(0), cache.stride(1), cache.stride(2),
+          cache.size(2)};
+}
+
+// Where each row's keys are: its request's block table and its context length.
+struct Rows {
+  int64_t count;
+  const int64_t* slots;     // [rows] cache slot of the row's own token
+  const int64_t* lens;      // [rows] context length, the row's own token included
+  const int64_t* table_of;  // [rows] the row's request: a row of tables
+  const int64_t* tables;    // [requests, width]
+  int64_t num_tables, width;
+};
+
+const int64_t* per_row(const at::Tensor& t, int64_t count, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous() && t.numel() == count,
+              "tandem_cpu: ", what, " must be contiguous int64 [", count, "]");
+  return t.data_ptr<int64_t>();
+}
+
+// slots: the rows' own cache slots where they are stored, else null.
+Rows rows_of(const int64_t* slots, const at::Tensor& block_tables, const at::Tensor& row_tables,
+             const at::Tensor& seq_lens, int64_t count) {
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() &&
+                  block_tables.dim() == 2,
+              "tandem_cpu: block_tables must be contiguous int64 [requests, max_blocks]");
+  return {count,
+          slots,
+          per_row(seq_lens, count, "seq_lens"),
+          per_row(row_tables, count, "row_tables"),
+          block_tables.data_ptr<int64_t>(),
+          block_tables.size(0),
+          block_tables.size(1)};
+}
+
+struct Heads {
+  int64_t num_heads, num_kv_heads, head_dim;
+  int64_t q_size() const { return num_heads * head_dim; }
+  int64_t kv_size() const { return num_kv_heads * head_dim; }
+  int64_t cols() const { return q_size() + 2 * kv_size(); }  // a qkv row
+};
+
+#if TANDEM_HAVE_KERNEL
+void norm_rows(const float* x, const float* w, float eps, int64_t rows, int64_t n, float* out) {
+  for (int64_t b = 0; b < rows; ++b) rms_norm(x + b * n, w, eps, n, out + b * n);
+}
+
+// q and k of every row rotated in place (positions' cos, sin [rows, D]); k, v stored.
+void rope_store_rows(float* qkv, const float* cs, const float* sn, const Heads& hd,
+                     const Rows& rows, const Cache& kc, const Cache& vc) {
+  const int64_t d = hd.head_dim;
+  for (int64_t b = 0; b < rows.count; ++b) {
+    float* row = qkv + b * hd.cols();
+    for (int64_t head = 0; head < hd.num_heads + hd.num_kv_heads; ++head) {
+      rope(row + head * d, cs + b * d, sn + b * d, d);
+    }
+    const int64_t block = rows.slots[b] / kc.block_size, offset = rows.slots[b] % kc.block_size;
+    for (int64_t g = 0; g < hd.num_kv_heads; ++g) {
+      std::copy_n(row + hd.q_size() + g * d, d, kc.at(g, block, offset));
+      std::copy_n(row + hd.q_size() + hd.kv_size() + g * d, d, vc.at(g, block, offset));
+    }
+  }
+}
+
+// attn [rows, q_size]: each row's query heads over its own context, one (row, kv head) at a
+// time: scores in key order, softmax, then the values summed in key order.
+void attend_rows(const float* qkv, const Heads& hd, const Rows& rows, const Cache& kc,
+                 const Cache& vc, float scale, int64_t window, float* attn) {
+  const int64_t d = hd.head_dim, group = hd.num_heads / hd.num_kv_heads;
+  at::parallel_for(0, rows.count * hd.num_kv_heads, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scores, totals(group);  // per worker, reused across its tasks
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t b = task / hd.num_kv_heads, g = task % hd.num_kv_heads;
+      const int64_t len = rows.lens[b];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t n = len - first;
+      TORCH_CHECK(len >= 1 && (len - 1) / kc.block_size < rows.width &&
+                      rows.table_of[b] >= 0 && rows.table_of[b] < rows.num_tables,
+                  "tandem_cpu: a row's context is beyond its block table");
+      const int64_t* table = rows.tables + rows.table_of[b] * rows.width;
+      scores.assign(group * n, 0.0f);
+      const float* q = qkv + b * hd.cols() + g * group * d;  // the group's query heads
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t pos = first + t;
+        const float* key = kc.at(g, table[pos / kc.block_size], pos % kc.block_size);
+        for (int64_t r = 0; r < group; ++r) scores[r * n + t] = dot(q + r * d, key, d) * scale;
+      }
+      float* o = attn + b * hd.q_size() + g * group * d;
+      std::fill_n(o, group * d, 0.0f);
+      for (int64_t r = 0; r < group; ++r) totals[r] = softmax_unnormalized(&scores[r * n], n);
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t pos = first + t;
+        const float* value = vc.at(g, table[pos / vc.block_size], pos % vc.block_size);
+        for (int64_t r = 0; r < group; ++r) axpy(scores[r * n + t], value, o + r * d, d);
+      }
+      for (int64_t r = 0; r < group; ++r) {
+        const float inv = 1.0f / totals[r];
+        for (int64_t i = 0; i < d; ++i) o[r * d + i] *= inv;
+      }
+    }
+  });
+}
+
+void silu_mul_rows(const float* gu, int64_t rows, int64_t inter, float* act) {
+  for (int64_t b = 0; b < rows; ++b) silu_mul(gu + b * 2 * inter, gu + b * 2 * inter + inter,
+                                              act + b * inter, inter);
+}
+#endif
+
+Heads heads_of(int64_t num_heads, int64_t num_kv_heads, const at::Tensor& cos) {
+  const int64_t d = cos.size(-1);
+  TORCH_CHECK(d % 8 == 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0,
+              "tandem_cpu: head_dim must be a multiple of 8 and num_heads of num_kv_heads");
+  return {num_heads, num_kv_heads, d};
+}
+
+void check_rows(const at::Tensor& t, int64_t cols, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 2 && t.is_contiguous() &&
+                  t.size(1) == cols,
+              "tandem_cpu: ", what, " must be contiguous float32 [rows, ", cols, "], got ",
+              t.sizes());
+}
+
+void fused_layer(at::Tensor x, const std::vector<at::Tensor>& weights, at::IntArrayRef bits,
+                 at::IntArrayRef out_features, const std::optional<at::Tensor>& qkv_bias,
+                 const at::Tensor& norm1, const at::Tensor& norm2, double eps,
+                 const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
+                 at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& block_tables,
+                 const at::Tensor& row_tables, const at::Tensor& seq_lens, int64_t num_heads,
+                 int64_t num_kv_heads, double scale, int64_t window) {
+#if TANDEM_HAVE_KERNEL
+  TORCH_CHECK(weights.size() == 12 && bits.size() == 4 && out_features.size() == 4,
+              "tandem_cpu: weights are (codes, d, m) for qkv, o, gate_up, down");
+  const Heads hd = heads_of(num_heads, num_kv_heads, cos);
+  const int64_t batch = x.size(0), hidden = x.size(1);
+  check_rows(x, hidden, "x");
+  std::vector<QuantizedMatrix> w;
+  for (int i = 0; i < 4; ++i) {
+    w.push_back(matrix(weights[3 * i], weights[3 * i + 1], weights[3 * i + 2], bits[i],
+                       out_features[i], i == 0 ? qkv_bias : std::nullopt));
+  }
+  const int64_t inter = w[2].rows / 2;
+  TORCH_CHECK(w[0].rows == hd.cols() && w[1].rows == hidden && w[3].rows == hidden &&
+                  hidden % 8 == 0 && inter % 8 == 0,
+              "tandem_cpu: projection shapes do not match the heads");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == batch * hd.head_dim,
+              "tandem_cpu: cos, sin must be contiguous [B, (1,) D]");
+  const Rows rows =
+      rows_of(per_row(slots, batch, "slots"), block_tables, row_tables, seq_lens, batch);
+  const Cache kc = view(k_cache, num_kv_heads, hd.head_dim);
+  const Cache vc = view(v_cache, num_kv_heads, hd.head_dim);
+  float* xs = x.data_ptr<float>();
+
+  thread_local std::vector<float> buf;
+  buf.resize(batch * (hidden + hd.cols() + hd.q_size() + 3 * inter + hidden));
+  float* h = buf.data();                  // [B, hidden]
+  float* qkv = h + batch * hidden;        // [B, q + 2 kv]
+  float* attn = qkv + batch * hd.cols();  // [B, q]
+  float* gu = attn + batch * hd.q_size(); // [B, 2 inter]
+  float* act = gu + batch * 2 * inter;    // [B, inter]
+  float* out = act + batch * inter;       // [B, hidden]
+
+  norm_rows(xs, norm1.data_ptr<float>(), eps, batch, hidden, h);
+  linear(w[0], h, batch, hidden, qkv, hd.cols());
+  rope_store_rows(qkv, cos.data_ptr<float>(), sin.data_ptr<float>(), hd, rows, kc, vc);
+  attend_rows(qkv, hd, rows, kc, vc, static_cast<float>(scale), window, attn);
+  linear(w[1], attn, batch, hd.q_size(), out, hidden);
+  for (int64_t i = 0; i < batch * hidden; ++i) xs[i] += out[i];
+
+  norm_rows(xs, norm2.data_ptr<float>(), eps, batch, hidden, h);
+  linear(w[2], h, batch, hidden, gu, 2 * inter);
+  silu_mul_rows(gu, batch, inter, act);
+  linear(w[3], act, batch, inter, out, hidden);
+  for (int64_t i = 0; i < batch * hidden; ++i) xs[i] += out[i];
+#else
+  TORCH_CHECK(false, "tandem_cpu: built without AVX2 and FMA");
+#endif
+}
+
+// ---- the pieces, for the Python layer around LoRA and tensor-parallel sums ----------------
+#if TANDEM_HAVE_KERNEL
+at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_rows(x, w.numel(), "x");
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() % 8 == 0,
+              "tandem_cpu: the norm weight must be contiguous float32, a multiple of 8");
+  at::Tensor out = at::empty_like(x);
+  norm_rows(x.data_ptr<float>(), w.data_ptr<float>(), static_cast<float>(eps), x.size(0),
+            x.size(1), out.data_ptr<float>());
+  return out;
+}
+
+void rope_store_op(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin,
+                   at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots,
+                   int64_t num_heads, int64_t num_kv_heads) {
+  const Heads hd = heads_of(num_heads, num_kv_heads, cos);
+  check_rows(qkv, hd.cols(), "qkv");
+  const int64_t batch = qkv.size(0);
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == batch * hd.head_dim,
+              "tandem_cpu: cos, sin must be contiguous [B, (1,) D]");
+  const Rows rows{batch, per_row(slots, batch, "slots"), nullptr, nullptr, nullptr, 0, 0};
+  rope_store_rows(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), hd,
+                  rows, view(k_cache, num_kv_heads, hd.head_dim),
+                  view(v_cache, num_kv_heads, hd.head_dim));
+}
+
+at::Tensor attend_op(const at::Tensor& qkv, at::Tensor k_cache, at::Tensor v_cache,
+                     const at::Tensor& block_tables,
+                     const at::Tensor& row_tables, const at::Tensor& seq_lens,
+                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
+                     int64_t window) {
+  TORCH_CHECK(head_dim % 8 == 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0,
+              "tandem_cpu: head_dim must be a multiple of 8 and num_heads of num_kv_heads");
+  const Heads hd{num_heads, num_kv_heads, head_dim};
+  check_rows(qkv, hd.cols(), "qkv");
+  const Rows rows = rows_of(nullptr, block_tables, row_tables, seq_lens, qkv.size(0));
+  at::Tensor attn = at::empty({qkv.size(0), hd.q_size()}, qkv.options());
+  attend_rows(qkv.data_ptr<float>(), hd, rows, view(k_cache, num_kv_heads, head_dim),
+              view(v_cache, num_kv_heads, head_dim), static_cast<float>(scale), window,
+              attn.data_ptr<float>());
+  return attn;
+}
+
+at::Tensor silu_mul_op(const at::Tensor& gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 16 == 0, "tandem_cpu: gate_up must be [rows, 2 I], I a multiple of 8");
+  check_rows(gu, gu.size(1), "gate_up");
+  const int64_t inter = gu.size(1) / 2;
+  at::Tensor act = at::empty({gu.size(0), inter}, gu.options());
+  silu_mul_rows(gu.data_ptr<float>(), gu.size(0), inter, act.data_ptr<float>());
+  return act;
+}
+#endif
+
+}  // namespace
+}  // namespace tandem
+
+TORCH_LIBRARY_FRAGMENT(tandem_cpu, lib) {
+  lib.def(
+      "fused_layer(Tensor(a!) x, Tensor[] weights, int[] bits, int[] out_features, "
+      "Tensor? qkv_bias, Tensor norm1, Tensor norm2, float eps, Tensor cos, Tensor sin, "
+      "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, Tensor block_tables, "
+      "Tensor row_tables, Tensor seq_lens, int num_heads, int num_kv_heads, float scale, "
+      "int window) -> ()",
+      &tandem::fused_layer);
+#if TANDEM_HAVE_KERNEL
+  lib.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &tandem::rms_norm_op);
+  lib.def(
+      "rope_store(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
+      "Tensor(c!) v_cache, Tensor slots, int num_heads, int num_kv_heads) -> ()",
+      &tandem::rope_store_op);
+  lib.def(
+      "attend(Tensor qkv, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor row_tables, Tensor seq_lens, int num_heads, int num_kv_heads, int head_dim, "
+      "float scale, int window) -> Tensor",
+      &tandem::attend_op);
+  lib.def("silu_mul(Tensor gate_up) -> Tensor", &tandem::silu_mul_op);
+#endif
+}

@@ -1,0 +1,141 @@
+"""The C++ layers' pieces (kernels/cpu/fused_layer.cpp): RoPE and the cache write, attention
+over each row's own context against softmax attention in float64, a row's bits independent of
+the rows beside it, and the fused call equal to the same pieces composed from Python."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.models.llama import apply_rope
+from engine.models.quantized import tandem_kernel_available
+from kernels.reference import causal_mask
+
+pytestmark = pytest.mark.skipif(not tandem_kernel_available(), reason="no C++ kernel")
+
+
+def requests_in_cache(heads, block_size: int, lens: list[int], seed: int = 0):
+    """Every token of len(lens) requests rotated and stored by rope_store on scattered blocks.
+    Returns (qkv rotated [T, cols], caches, tables [R, W], row_tables [T], seq_lens [T])."""
+    num_heads, num_kv_heads, d = heads
+    g = torch.Generator().manual_seed(seed)
+    cols = (num_heads + 2 * num_kv_heads) * d
+    total = sum(lens)
+    qkv = torch.randn(total, cols, generator=g)
+    widths = [-(-n // block_size) for n in lens]
+    num_blocks = 1 + sum(widths)
+    order = 1 + torch.randperm(num_blocks - 1, generator=g)  # block 0 stays the null block
+    tables = torch.zeros(len(lens), max(widths), dtype=torch.long)
+    positions, slots, row_tables, seq_lens, used = [], [], [], [], 0
+    for i, n in enumerate(lens):
+        tables[i, : widths[i]] = order[used : used + widths[i]]
+        used += widths[i]
+        for p in range(n):
+            positions.append(p)
+            slots.append(int(tables[i, p // block_size]) * block_size + p % block_size)
+            row_tables.append(i)
+            seq_lens.append(p + 1)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
+    freqs = torch.tensor(positions).float()[:, None] * inv_freq[None]
+    emb = torch.cat([freqs, freqs], -1)
+    cos, sin = emb.cos(), emb.sin()
+    k_cache = torch.zeros(num_kv_heads, num_blocks, block_size, d)
+    v_cache = torch.zeros_like(k_cache)
+    raw = qkv.clone()
+    torch.ops.tandem_cpu.rope_store(
+        qkv, cos, sin, k_cache, v_cache, torch.tensor(slots), num_heads, num_kv_heads
+    )
+    q_size, kv_size = num_heads * d, num_kv_heads * d
+    for start, heads_of in ((0, num_heads), (q_size, num_kv_heads)):  # q and k rotated as HF
+        part = raw[:, start : start + heads_of * d].view(total, heads_of, d)
+        want = apply_rope(part, cos[:, None], sin[:, None]).reshape(total, -1)
+        torch.testing.assert_close(qkv[:, start : start + heads_of * d], want)
+    assert torch.equal(qkv[:, q_size + kv_size :], raw[:, q_size + kv_size :])  # v as it came
+    rows = (torch.tensor(row_tables), torch.tensor(seq_lens))
+    return qkv, (k_cache, v_cache), tables, *rows
+
+
+def reference_attention(qkv, heads, lens, scale, window):  # [T, Hq * D] in float64
+    num_heads, num_kv_heads, d = heads
+    q_size, kv_size = num_heads * d, num_kv_heads * d
+    out, start = [], 0
+    for n in lens:
+        rows = qkv[start : start + n].double()
+        q = rows[:, :q_size].view(n, num_heads, d).transpose(0, 1)
+        k = rows[:, q_size : q_size + kv_size].view(n, num_kv_heads, d).transpose(0, 1)
+        v = rows[:, q_size + kv_size :].view(n, num_kv_heads, d).transpose(0, 1)
+        group = num_heads // num_kv_heads
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        scores = (q @ k.transpose(1, 2)) * scale
+        scores.masked_fill_(~causal_mask(0, n, window or None), float("-inf"))
+        out.append((scores.softmax(-1) @ v).transpose(0, 1).reshape(n, q_size))
+        start += n
+    return torch.cat(out)
+
+
+def attend(qkv, caches, tables, row_tables, seq_lens, heads, scale, window):
+    num_heads, num_kv_heads, d = heads
+    return torch.ops.tandem_cpu.attend(
+        qkv, caches[0], caches[1], tables, row_tables, seq_lens, num_heads, num_kv_heads, d,
+        scale, window,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("block_size", [4, 8, 12, 16])
+@pytest.mark.parametrize("heads", [(3, 1, 8), (6, 2, 64), (4, 4, 16)])
+@pytest.mark.parametrize("window", [0, 7])
+def test_attend_equals_softmax_attention_and_each_row_stands_alone(block_size, heads, window):
+    lens = [1, 19, 45]
+    qkv, caches, tables, row_tables, seq_lens = requests_in_cache(heads, block_size, lens)
+    scale = heads[2] ** -0.5
+    args = (caches, tables)
+    got = attend(qkv, *args, row_tables, seq_lens, heads, scale, window)
+    want = reference_attention(qkv, heads, lens, scale, window).float()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # a row's bits alone, or with any other rows (decode, a chunk, a cache hit's short query)
+    for rows in ([0], [30], [64, 3, 40], list(range(20, 64, 5))):
+        part = attend(
+            qkv[rows], *args, row_tables[rows], seq_lens[rows], heads, scale, window
+        )  # fmt: skip
+        assert torch.equal(part, got[rows]), rows
+
+
+def test_attend_refuses_a_context_beyond_its_table():
+    heads = (2, 1, 8)
+    qkv, caches, tables, row_tables, seq_lens = requests_in_cache(heads, 4, [6])
+    with pytest.raises(RuntimeError, match="beyond its block table"):
+        attend(qkv[:1], caches, tables, row_tables[:1], seq_lens[:1] + 8, heads, 1.0, 0)
+
+
+def test_fused_layer_equals_its_pieces_composed(tmp_path):
+    """DecoderLayer._fused (one C++ call) and _composed (the ops from Python, as steps with
+    adapters or tensor-parallel sums run): the same hidden states and caches, bit for bit."""
+    from engine import LLM
+    from engine.attention import row_metadata, slot_ids
+    from models import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "tiny", "qwen2")  # a QKV bias too
+    llm = LLM(str(path), quantization="int4", num_kv_blocks=16, block_size=4)
+    model = llm.engine.runner.model
+    assert model.fused_layers
+    layer = model.layers[0]
+    seq_lens, query_lens, tables = [9, 1, 14], [9, 1, 6], [[1, 2, 3], [4], [5, 6, 7, 8]]
+    slots = [
+        s
+        for table, total, n in zip(tables, seq_lens, query_lens, strict=True)
+        for s in slot_ids(table, total - n, n, 4)
+    ]
+    meta = row_metadata(seq_lens, query_lens, tables, torch.tensor(slots), 4)
+    n = len(slots)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, model.config.hidden_size, generator=g)
+    positions = meta.seq_lens - 1
+    cos = model.cos_cache[positions].unsqueeze(1)
+    sin = model.sin_cache[positions].unsqueeze(1)
+    caches = torch.randn_like(llm.engine.runner.kv_caches[0])
+    fused_cache, composed_cache = caches.clone(), caches.clone()
+    fused = layer._fused(x.clone(), cos, sin, fused_cache, meta)
+    composed = layer._composed(x.clone(), cos, sin, composed_cache, meta, None)
+    assert torch.equal(fused, composed)
+    assert torch.equal(fused_cache, composed_cache)
+    assert not torch.equal(fused_cache, caches)  # the step's keys and values were written
