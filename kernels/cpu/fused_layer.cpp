@@ -165,6 +165,71 @@ void norm_rows(const float* x, const float* w, float eps, int64_t rows, int64_t 
   for (int64_t b = 0; b < rows; ++b) rms_norm(x + b * n, w, eps, n, out + b * n);
 }
 
+// Keys are stored transposed within each cache block: a (kv head, block)'s keys are a
+// [D, block_size] slab (key t's element i at i * block_size + t), so eight consecutive keys'
+// element i are one load and a score needs no horizontal sum; values stay [block_size, D].
+inline float* key_slab(const Cache& kc, int64_t head, int64_t block) { return kc.at(head, block, 0); }
+
+// Lanes [0, count) of 8 floats at p (masked: a block's last chunk may hold fewer than 8 keys).
+inline __m256 load_lanes(const float* p, int64_t count) {
+  if (count >= 8) return _mm256_loadu_ps(p);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)), lane));
+}
+
+// scores[r * n + t - first] = (sum_i q_r[i] k_t[i]) * scale for heads r < heads and keys t in
+// [first, first + n): each score one chain of fmas over i in order, eight keys at a time.
+template <int HEADS>
+void score_keys(const float* q, int64_t d, const Cache& kc, int64_t g, const int64_t* table,
+                int64_t first, int64_t n, float scale, float* scores, int64_t stride) {
+  const int64_t bs = kc.block_size, end = first + n;
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (int64_t start = first - first % bs; start < end; start += bs) {  // one block
+    const float* slab = key_slab(kc, g, table[start / bs]);
+    for (int64_t off = 0; off < bs && start + off < end; off += 8) {  // eight keys
+      const int64_t lanes = std::min<int64_t>(8, bs - off);
+      __m256 acc[HEADS];
+      for (int r = 0; r < HEADS; ++r) acc[r] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < d; ++i) {
+        const __m256 k = load_lanes(slab + i * bs + off, lanes);
+        for (int r = 0; r < HEADS; ++r) acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(q[r * d + i]), k, acc[r]);
+      }
+      alignas(32) float out[HEADS][8];
+      for (int r = 0; r < HEADS; ++r) _mm256_store_ps(out[r], _mm256_mul_ps(acc[r], vscale));
+      const int64_t lo = std::max<int64_t>(start + off, first), hi = std::min(start + off + lanes, end);
+      for (int r = 0; r < HEADS; ++r) {
+        for (int64_t t = lo; t < hi; ++t) scores[r * stride + t - first] = out[r][t - start - off];
+      }
+    }
+  }
+}
+
+// o[i] = (sum_t p_t v_t[i]) * inv for keys t in [first, first + n), in key order.
+template <int CHUNKS>  // D / 8, or 0: any D (the same steps through memory)
+void sum_values(const float* p, int64_t d, const Cache& vc, int64_t g, const int64_t* table,
+                int64_t first, int64_t n, float inv, float* o) {
+  const int64_t bs = vc.block_size;
+  if constexpr (CHUNKS > 0) {
+    __m256 acc[CHUNKS];
+    for (int c = 0; c < CHUNKS; ++c) acc[c] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t pos = first + t;
+      const float* v = vc.at(g, table[pos / bs], pos % bs);
+      const __m256 w = _mm256_set1_ps(p[t]);
+      for (int c = 0; c < CHUNKS; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), acc[c]);
+    }
+    for (int c = 0; c < CHUNKS; ++c) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)));
+  } else {
+    std::fill_n(o, d, 0.0f);
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t pos = first + t;
+      axpy(p[t], vc.at(g, table[pos / bs], pos % bs), o, d);
+    }
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), vinv));
+  }
+}
+
 // q and k of every row rotated in place (positions' cos, sin [rows, D]); k, v stored.
 void rope_store_rows(float* qkv, const float* cs, const float* sn, const Heads& hd,
                      const Rows& rows, const Cache& kc, const Cache& vc) {
@@ -174,21 +239,24 @@ void rope_store_rows(float* qkv, const float* cs, const float* sn, const Heads& 
     for (int64_t head = 0; head < hd.num_heads + hd.num_kv_heads; ++head) {
       rope(row + head * d, cs + b * d, sn + b * d, d);
     }
-    const int64_t block = rows.slots[b] / kc.block_size, offset = rows.slots[b] % kc.block_size;
+    const int64_t bs = kc.block_size, block = rows.slots[b] / bs, offset = rows.slots[b] % bs;
     for (int64_t g = 0; g < hd.num_kv_heads; ++g) {
-      std::copy_n(row + hd.q_size() + g * d, d, kc.at(g, block, offset));
+      const float* k = row + hd.q_size() + g * d;
+      float* slab = key_slab(kc, g, block);
+      for (int64_t i = 0; i < d; ++i) slab[i * bs + offset] = k[i];  // transposed: see key_slab
       std::copy_n(row + hd.q_size() + hd.kv_size() + g * d, d, vc.at(g, block, offset));
     }
   }
 }
 
 // attn [rows, q_size]: each row's query heads over its own context, one (row, kv head) at a
-// time: scores in key order, softmax, then the values summed in key order.
+// time: scores in key order, softmax, then the values summed in key order. A row's steps depend
+// on its context length only, never on the other rows of the call.
 void attend_rows(const float* qkv, const Heads& hd, const Rows& rows, const Cache& kc,
                  const Cache& vc, float scale, int64_t window, float* attn) {
   const int64_t d = hd.head_dim, group = hd.num_heads / hd.num_kv_heads;
   at::parallel_for(0, rows.count * hd.num_kv_heads, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores, totals(group);  // per worker, reused across its tasks
+    std::vector<float> scores;  // per worker, reused across its tasks
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t b = task / hd.num_kv_heads, g = task % hd.num_kv_heads;
       const int64_t len = rows.lens[b];
@@ -198,24 +266,29 @@ void attend_rows(const float* qkv, const Heads& hd, const Rows& rows, const Cach
                       rows.table_of[b] >= 0 && rows.table_of[b] < rows.num_tables,
                   "tandem_cpu: a row's context is beyond its block table");
       const int64_t* table = rows.tables + rows.table_of[b] * rows.width;
-      scores.assign(group * n, 0.0f);
+      scores.resize(group * n);
       const float* q = qkv + b * hd.cols() + g * group * d;  // the group's query heads
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = first + t;
-        const float* key = kc.at(g, table[pos / kc.block_size], pos % kc.block_size);
-        for (int64_t r = 0; r < group; ++r) scores[r * n + t] = dot(q + r * d, key, d) * scale;
-      }
-      float* o = attn + b * hd.q_size() + g * group * d;
-      std::fill_n(o, group * d, 0.0f);
-      for (int64_t r = 0; r < group; ++r) totals[r] = softmax_unnormalized(&scores[r * n], n);
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = first + t;
-        const float* value = vc.at(g, table[pos / vc.block_size], pos % vc.block_size);
-        for (int64_t r = 0; r < group; ++r) axpy(scores[r * n + t], value, o + r * d, d);
+      for (int64_t r = 0; r < group;) {  // up to four heads share each load of the keys
+        const int64_t heads = std::min<int64_t>(4, group - r);
+        float* s = scores.data() + r * n;
+        const float* qr = q + r * d;
+        switch (heads) {
+          case 4: score_keys<4>(qr, d, kc, g, table, first, n, scale, s, n); break;
+          case 3: score_keys<3>(qr, d, kc, g, table, first, n, scale, s, n); break;
+          case 2: score_keys<2>(qr, d, kc, g, table, first, n, scale, s, n); break;
+          default: score_keys<1>(qr, d, kc, g, table, first, n, scale, s, n); break;
+        }
+        r += heads;
       }
       for (int64_t r = 0; r < group; ++r) {
-        const float inv = 1.0f / totals[r];
-        for (int64_t i = 0; i < d; ++i) o[r * d + i] *= inv;
+        float* p = scores.data() + r * n;
+        const float inv = 1.0f / softmax_unnormalized(p, n);
+        float* o = attn + b * hd.q_size() + (g * group + r) * d;
+        switch (d) {
+          case 64: sum_values<8>(p, d, vc, g, table, first, n, inv, o); break;
+          case 128: sum_values<16>(p, d, vc, g, table, first, n, inv, o); break;
+          default: sum_values<0>(p, d, vc, g, table, first, n, inv, o); break;
+        }
       }
     }
   });

@@ -135,21 +135,28 @@ def test_smollm2_gguf_base_requests_keep_their_bits_beside_adapters(smollm2):
 
 
 def test_prefill_on_another_numerics_breaks_it(smollm2, monkeypatch):
-    """The broken variant: steps holding a prefill chunk of more than 16 rows run the Python
-    layers (torch attention and norms around the same projections), as decode-only steps did
-    not; the same comparison fails."""
-    from engine.backends import Backend
+    """The broken variant: in steps holding more than 16 rows (prefill chunks) the layers'
+    projections see their inputs rounded to bfloat16 (as the bf16 GEMM that once took
+    prefill rows did); decode steps and cache hits' short queries run as before. The same
+    comparison fails."""
+    from engine.models.llama import DecoderLayer
+    from engine.models.quantized import QuantizedLinear
 
-    metadata = Backend.metadata
+    forward, call = DecoderLayer.forward, QuantizedLinear.__call__
 
-    def split_numerics(self, flat, slots, block_size, window, rows):
-        return metadata(self, flat, slots, block_size, window, rows and max(flat.query_lens) <= 16)
+    def split_forward(self, x, cos, sin, kv_cache, meta, lora=None):
+        if x.shape[0] > 16:  # the layer's pieces one by one, projections through __call__
+            return self._composed(x, cos, sin, kv_cache, meta, lora)
+        return forward(self, x, cos, sin, kv_cache, meta, lora)
 
-    monkeypatch.setattr(Backend, "metadata", split_numerics)
+    def bf16_rows(self, x):
+        return call(self, x.bfloat16().float() if x.shape[0] > 16 else x)
+
+    monkeypatch.setattr(DecoderLayer, "forward", split_forward)
+    monkeypatch.setattr(QuantizedLinear, "__call__", bf16_rows)
     prompts, params, want = smollm2
     llm = LLM("smollm2-135m-instruct", enable_prefix_caching=True, kv_cache_memory_bytes=64 << 20)
-    run(llm, prompts, params)
-    assert run(llm, prompts, params) != want  # cache hits: short queries, the C++ path
+    assert run(llm, prompts, params) != want
 
 
 @pytest.mark.slow
