@@ -140,8 +140,8 @@ def model_pairs() -> tuple[dict[str, dict[str, Callable[[], Run]]], list[str]]:
     import xgrammar as xgr
 
     from engine.grammar.matcher import apply_bitmask
-    from engine.models.llama import packed_linear
     from engine.models.quant import linear_int8, pack_int8
+    from engine.models.weights import packed_linear
 
     gen = torch.Generator().manual_seed(1)
 

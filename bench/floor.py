@@ -106,12 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
     model, cfg, _ = load_model(resolve_model("smollm2-135m-instruct"))
-    layer = model.layers[0]
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
     projections = [
-        (layer.qkv_proj, cfg.hidden_size),
-        (layer.o_proj, cfg.num_heads * cfg.head_dim),
-        (layer.gate_up_proj, cfg.hidden_size),
-        (layer.down_proj, cfg.intermediate_size),
+        (attn.qkv_proj, cfg.hidden_size),
+        (attn.o_proj, cfg.num_heads * cfg.head_dim),
+        (mlp.gate_up_proj, cfg.hidden_size),
+        (mlp.down_proj, cfg.intermediate_size),
     ]
     cache: dict[int, tuple[float, float]] = {}
 

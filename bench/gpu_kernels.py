@@ -93,12 +93,17 @@ def bench_lora(model_dir: Path) -> dict:
         "gate_up": torch.randn(rows, cfg.hidden_size, device=dev, dtype=dtype),
         "down": torch.randn(rows, cfg.intermediate_size, device=dev, dtype=dtype),
     }
-    linears = {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj", "down": "down_proj"}
+    linears = {
+        "qkv": "self_attn.qkv_proj",
+        "o": "self_attn.o_proj",
+        "gate_up": "mlp.gate_up_proj",
+        "down": "mlp.down_proj",
+    }
 
     def step(with_lora: bool):
         for i, layer in enumerate(model.layers):
             for group in GROUPS:
-                y = getattr(layer, linears[group])(x[group])
+                y = layer.get_submodule(linears[group]).format(x[group])
                 if with_lora:
                     batch.apply(i, group, x[group], y)
 

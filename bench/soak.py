@@ -269,11 +269,11 @@ def run(args) -> dict:
     from transformers import AutoConfig
 
     from bench.server import stop
-    from engine.models.config import ModelConfig
+    from engine.models.architectures import model_config
     from engine.models.registry import resolve_model
     from playground.demo_adapters import write_demo_adapters
 
-    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(str(resolve_model(args.model))))
+    cfg = model_config(AutoConfig.from_pretrained(str(resolve_model(args.model))))
     args.block_bytes = cfg.kv_bytes_per_block(16)
     adapters = {name: r.path for name, r in write_demo_adapters(args.model).items()}
     server, url = start_server(args, adapters)

@@ -46,7 +46,7 @@ class Backend:
         sliding_window: int | None,
         rows: bool,
     ) -> AttentionMetadata:
-        """rows: the model's layers run on the C++ kernels (engine.models.llama.DecoderLayer.
+        """rows: the model's layers run on the C++ kernels (engine.models.llama.LlamaDecoderLayer.
         fuse), whose attention takes every row on its own (RowAttention), whatever the
         backend."""
         args = (flat.seq_lens, flat.query_lens, flat.tables, slot_mapping, block_size)

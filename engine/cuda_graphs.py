@@ -31,7 +31,7 @@ from engine.inputs import fill_pending, flat_inputs, pending_inputs, real_rows
 
 if TYPE_CHECKING:
     from engine.inputs import ForwardItem, SampledTokens
-    from engine.models.llama import LlamaForCausalLM
+    from engine.models.causal_lm import CausalLM
     from engine.request import Request
 
 
@@ -46,7 +46,7 @@ class GraphRunner:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_caches: torch.Tensor,  # [num_layers, 2, Hkv, num_blocks, block_size, D]
         block_size: int,
         max_num_seqs: int,

@@ -34,8 +34,8 @@ from engine.inputs import (
     flat_inputs,
     pending_inputs,
 )
+from engine.models.causal_lm import CausalLM
 from engine.models.config import ModelConfig
-from engine.models.llama import LlamaForCausalLM
 from engine.rejection import (
     PendingVerify,
     VerifyResult,
@@ -186,7 +186,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         cfg: ModelConfig,
         num_blocks: int,
         block_size: int,

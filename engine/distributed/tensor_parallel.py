@@ -1,17 +1,14 @@
 """Tensor parallelism on torch.distributed: the target model's attention heads and MLP split
 across ranks, each rank a process holding its heads' share of every KV block.
 
-Megatron's split of a decoder layer over N ranks: the QKV and gate/up projections are split by
-output (rank r keeps query heads [r H/N, (r+1) H/N), the matching KV heads, and columns
-[r I/N, (r+1) I/N) of the MLP), so attention and the activation run on local heads and columns
-with no communication; o_proj and down_proj are split by input, so each rank's product is a
-partial sum of the layer's output, and one all-reduce per projection (two per layer) makes it
-whole on every rank. Embedding and norms are replicated: after the last layer every rank holds
-the same hidden states. The LM head is split by vocabulary rows: each rank computes its share of
-the logits for the rows rank 0 asks for, and a gather to rank 0 makes them whole (a replicated
-head on rank 0 alone was 28% of a 0.5B model's weights, read every step by one rank while the
-others waited; bench/RESULTS.md). Quantized weights split the same way by whole groups of 32
-inputs (`Split`), and a LoRA update x A B with its layer (`shard_lora`).
+How a layer splits (Megatron's way: QKV and gate/up by output, o and down by input with an
+all-reduce after each, the LM head by vocabulary rows gathered to rank 0) is the model's own:
+its layers are built knowing their share (engine.models.parallel) and take it as their weights
+load, dense or quantized (by whole groups of 32 inputs). Embedding and norms are replicated:
+after the last layer every rank holds the same hidden states. Splitting the head instead of
+replicating it on rank 0: the head was 28% of a 0.5B model's weights, read every step by one
+rank while the others waited (bench/RESULTS.md). Here: the gloo group (`Group`), the worker
+processes, and a LoRA update x A B split with its layer (`shard_lora`).
 
 Rank 0 is the engine's own process: it schedules, owns the block tables (one set for every
 rank: a block id names the same positions in each rank's share of the cache) and samples.
@@ -34,14 +31,12 @@ import sys
 import tempfile
 import weakref
 from contextlib import suppress
-from dataclasses import replace
 from functools import partial
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from engine.models.config import ModelConfig
+from engine.models.parallel import local_config
 
 TIMEOUT = datetime.timedelta(seconds=120)  # a collective (and the start) waits no longer
 
@@ -89,94 +84,8 @@ class Group:
         return torch.cat(parts, dim=1)[:, :total]
 
 
-def local_config(cfg: ModelConfig, world: int) -> ModelConfig:
-    """The shape one rank's shard has: its heads and MLP columns (what its KV cache holds)."""
-    for name, value in (
-        ("attention heads", cfg.num_heads),
-        ("KV heads", cfg.num_kv_heads),
-        ("MLP columns", cfg.intermediate_size),
-    ):
-        if value % world:
-            raise ValueError(
-                f"tensor_parallel_size={world} must divide the model's {name} ({value})"
-            )
-    return replace(
-        cfg,
-        num_heads=cfg.num_heads // world,
-        num_kv_heads=cfg.num_kv_heads // world,
-        intermediate_size=cfg.intermediate_size // world,
-    )
-
-
-def vocab_rows(total: int, rank: int, world: int) -> tuple[int, int]:
-    """The LM head rows [start, end) a rank computes: shares of ceil(total / world), the last
-    one shorter when world does not divide total."""
-    width = -(-total // world)
-    return min(rank * width, total), min((rank + 1) * width, total)
-
-
-class Split:
-    """One rank's share of each projection's weight and bias, dense or quantized, and of the
-    LM head (`vocab`)."""
-
-    ROW_SPLIT = ("o_proj", "down_proj")  # split by input; the others by output
-
-    def __init__(self, cfg: ModelConfig, rank: int, world: int):
-        self.rank, self.world = rank, world
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        parts = {"qkv_proj": [q, kv, kv], "gate_up_proj": [cfg.intermediate_size] * 2}
-        # output rows kept: the rank's share of each part (its heads of Q, of K, of V; its
-        # columns of gate and of up)
-        self.rows = {name: self._rows(sizes) for name, sizes in parts.items()}
-
-    def _rows(self, sizes: list[int]) -> torch.Tensor:
-        parts = torch.arange(sum(sizes)).split(sizes)
-        return torch.cat([part.chunk(self.world)[self.rank] for part in parts])
-
-    def __call__(self, name: str, weight, bias: bool = False):
-        """weight: a dense [out, in] tensor, a QuantizedWeight, or (bias) an [out] tensor."""
-        if name not in self.ROW_SPLIT:
-            rows = self.rows[name]
-            return weight.rows(rows) if hasattr(weight, "rows") else weight[rows].contiguous()
-        if bias:  # the all-reduce sums the ranks' partial products: rank 0's adds the bias
-            return weight if self.rank == 0 else torch.zeros_like(weight)
-        k = weight.in_features if hasattr(weight, "columns") else weight.shape[1]
-        start, end = self.rank * k // self.world, (self.rank + 1) * k // self.world
-        if hasattr(weight, "columns"):
-            return weight.columns(start, end)
-        return weight[:, start:end].contiguous()
-
-    def vocab(self, head):
-        """The rank's rows of the LM head ([vocab, hidden], dense or quantized); a fresh
-        tensor, so a tied embedding stays whole."""
-        total = head.out_features if hasattr(head, "rows") else head.shape[0]
-        start, end = vocab_rows(total, self.rank, self.world)
-        if hasattr(head, "rows"):
-            return head.rows(torch.arange(start, end))
-        return head[start:end].clone()
-
-
-def shard_model(model: nn.Module, group: Group) -> None:
-    """Make `model` rank `group.rank`'s shard in place: a dense model's projections (loaded
-    unpacked) split here, a GGUF's split as they load (engine.models.gguf_loader, `split`);
-    every layer then attends with its own heads and all-reduces its two row-split products."""
-    cfg, local = model.config, local_config(model.config, group.world)
-    split = Split(cfg, group.rank, group.world)
-    if model.lm_head_quantized is None:  # dense (a GGUF's quantized head came split)
-        model.lm_head_weight = nn.Parameter(split.vocab(model.lm_head_weight), requires_grad=False)
-    model.gather_logits = partial(group.gather_columns, total=model.lm_head_rows)
-    for layer in model.layers:
-        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-            linear = getattr(layer, name)
-            if linear.weight is not None:  # dense
-                linear.weight = nn.Parameter(split(name, linear.weight), requires_grad=False)
-                if linear.bias is not None:
-                    bias = split(name, linear.bias, bias=True)
-                    linear.bias = nn.Parameter(bias, requires_grad=False)
-        layer.num_heads, layer.num_kv_heads = local.num_heads, local.num_kv_heads
-        layer.q_size = local.num_heads * cfg.head_dim
-        layer.kv_size = local.num_kv_heads * cfg.head_dim
-        layer.all_reduce = group.all_reduce
+# LoRA modules (PEFT's names) whose projection is split by input; the others split by output.
+ROW_SPLIT = ("o_proj", "down_proj")
 
 
 def shard_lora(
@@ -186,7 +95,7 @@ def shard_lora(
     module is: a column-split module keeps its output columns of B; a row-split one (o_proj,
     down_proj) its input rows of A, so x_r A_r B is this rank's partial sum of x A B, and the
     all-reduce that completes the base projection completes the update with it."""
-    if module in Split.ROW_SPLIT:
+    if module in ROW_SPLIT:
         return a.chunk(world, 0)[rank].contiguous(), b
     return a, b.chunk(world, 1)[rank].contiguous()
 

@@ -1,10 +1,9 @@
-"""The model shape every part of the engine reads (layers, heads, sizes), from an HF config."""
+"""The model shape every part of the engine reads (layers, heads, sizes); each architecture maps
+an HF config to it (engine.models.architectures)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
 
 
 @dataclass(frozen=True)
@@ -29,33 +28,19 @@ class ModelConfig:
         """One KV block's bytes: K and V of every layer and KV head, block_size positions."""
         return self.num_layers * 2 * self.num_kv_heads * block_size * self.head_dim * element_bytes
 
-    @classmethod
-    def from_hf(cls, hf) -> ModelConfig:
-        if hf.model_type not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"model_type {hf.model_type!r} is not supported; "
-                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
-            )
-        if getattr(hf, "hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {hf.hidden_act!r} is not supported (only 'silu')")
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        window = getattr(hf, "sliding_window", None)
-        if hf.model_type == "qwen2" and not getattr(hf, "use_sliding_window", False):
-            window = None
-        return cls(
-            model_type=hf.model_type,
-            vocab_size=hf.vocab_size,
-            hidden_size=hf.hidden_size,
-            intermediate_size=hf.intermediate_size,
-            num_layers=hf.num_hidden_layers,
-            num_heads=hf.num_attention_heads,
-            num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
-            head_dim=head_dim,
-            rms_norm_eps=hf.rms_norm_eps,
-            max_position_embeddings=hf.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            qkv_bias=hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False)),
-            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            sliding_window=window,
-            hidden_act="silu",
-        )
+
+def common_fields(hf) -> dict:
+    """The fields every architecture reads the same way from an HF config."""
+    return dict(
+        model_type=hf.model_type,
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=hf.num_attention_heads,
+        num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+        rms_norm_eps=hf.rms_norm_eps,
+        max_position_embeddings=hf.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+    )

@@ -1,4 +1,5 @@
-"""Load an HF-format directory (config.json + *.safetensors) into our Llama-family module."""
+"""Load a model directory (config.json with *.safetensors, or a GGUF beside its config) into its
+architecture's model (engine.models.architectures), and the engine's target and draft."""
 
 from __future__ import annotations
 
@@ -13,16 +14,20 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.config import QUANTIZATIONS, EngineConfig
+from engine.models.architectures import Checkpoint, architecture
+from engine.models.causal_lm import CausalLM
 from engine.models.config import ModelConfig
-from engine.models.gguf_loader import load_gguf_weights
-from engine.models.llama import LlamaForCausalLM, onednn_linear_available
+from engine.models.gguf_loader import GGUFWeights
+from engine.models.layers import RotaryTables
+from engine.models.parallel import Parallel, local_config
 from engine.models.quant import int8_linear_available
 from engine.models.registry import resolve_model
+from engine.models.weights import onednn_linear_available
 
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
 
 
-def rope_parameters(hf_config) -> tuple[torch.Tensor, float]:
+def rope_parameters(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
     """inv_freq [head_dim // 2] and the cos/sin scaling, via transformers' own RoPE functions."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -33,9 +38,8 @@ def rope_parameters(hf_config) -> tuple[torch.Tensor, float]:
             f"rope_type {rope_type!r} is not supported; supported: {sorted(SUPPORTED_ROPE_TYPES)}"
         )
     if rope_type == "default":
-        cfg = ModelConfig.from_hf(hf_config)
         base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-        dim = cfg.head_dim
+        dim = head_dim
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         return inv_freq, 1.0
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
@@ -59,37 +63,6 @@ def _load_state(path: Path) -> dict[str, torch.Tensor]:
         except Exception as e:  # truncated, corrupt, not safetensors at all
             raise ValueError(f"cannot read weights {str(file)!r}: {e}") from None
     return state
-
-
-def _fused_state(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Map HF parameter names to ours, concatenating q/k/v and gate/up."""
-    out = {
-        "embed_tokens.weight": hf.pop("embed_tokens.weight"),
-        "norm.weight": hf.pop("norm.weight"),
-    }
-    if not cfg.tie_word_embeddings:
-        out["lm_head_weight"] = hf.pop("lm_head.weight")
-    hf.pop("lm_head.weight", None)
-    for i in range(cfg.num_layers):
-        p = f"layers.{i}."
-        att, mlp = p + "self_attn.", p + "mlp."
-        out[p + "qkv_proj.weight"] = torch.cat([hf.pop(att + f"{n}_proj.weight") for n in "qkv"])
-        if cfg.qkv_bias:
-            out[p + "qkv_proj.bias"] = torch.cat([hf.pop(att + f"{n}_proj.bias") for n in "qkv"])
-        out[p + "o_proj.weight"] = hf.pop(att + "o_proj.weight")
-        gate_up = [hf.pop(mlp + "gate_proj.weight"), hf.pop(mlp + "up_proj.weight")]
-        out[p + "gate_up_proj.weight"] = torch.cat(gate_up)
-        out[p + "down_proj.weight"] = hf.pop(mlp + "down_proj.weight")
-        if cfg.mlp_bias:
-            bias = [hf.pop(mlp + "gate_proj.bias"), hf.pop(mlp + "up_proj.bias")]
-            out[p + "gate_up_proj.bias"] = torch.cat(bias)
-            out[p + "down_proj.bias"] = hf.pop(mlp + "down_proj.bias")
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            out[p + norm + ".weight"] = hf.pop(p + norm + ".weight")
-    leftover = [k for k in hf if not k.endswith("rotary_emb.inv_freq")]
-    if leftover:
-        raise ValueError(f"unexpected weights in checkpoint: {leftover[:5]}")
-    return out
 
 
 def release_freed_memory() -> None:
@@ -164,48 +137,34 @@ def load_model(
     if quantization != "gguf":
         quantization = resolve_quantization(quantization, path, device)
     hf_config = AutoConfig.from_pretrained(str(path))
-    cfg = ModelConfig.from_hf(hf_config)
-    inv_freq, scaling = rope_parameters(hf_config)
-    model = LlamaForCausalLM(cfg, inv_freq, scaling, max_len or cfg.max_position_embeddings)
-    model.eval().requires_grad_(False)
+    arch = architecture(hf_config.model_type)
+    cfg = arch.config(hf_config)
+    inv_freq, scaling = rope_parameters(hf_config, cfg.head_dim)
+    rotary = RotaryTables(inv_freq, scaling, max_len or cfg.max_position_embeddings)
+    model = arch.build(cfg, rotary, Parallel.of(group)).eval()
     if quantization == "gguf":
         source = gguf_file(path)
         if source is None:
             raise ValueError(f"model directory {str(path)!r} has no GGUF file")
-        split = None
-        if group is not None:
-            from engine.distributed.tensor_parallel import Split, shard_model
-
-            split = Split(cfg, group.rank, group.world)
-        load_gguf_weights(model, source, device, dtype, split)
-        if group is not None:
-            shard_model(model, group)  # (the projections came split)
-        release_freed_memory()
-        model = model.to(device=device, dtype=dtype)
-        model.fuse()
-        return model, cfg, hf_config
-    state = _fused_state(cfg, _load_state(path))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head_weight")]
-    if missing or unexpected:
-        raise ValueError(
-            f"weights do not match the model: missing={missing} unexpected={unexpected}"
-        )
-    if group is not None:
-        from engine.distributed.tensor_parallel import shard_model
-
-        shard_model(model, group)
-    if device.type != "cpu" or dtype != torch.float32:
-        # The RoPE tables go to dtype too, as HF casts cos/sin to the activations' dtype.
-        model = model.to(device=device, dtype=dtype)
+        weights = arch.gguf_weights(cfg, GGUFWeights(source))
+    else:
+        checkpoint = Checkpoint(_load_state(path))
+        weights = arch.hf_weights(cfg, checkpoint)
+    for name, *tensors in weights:  # each projection takes this rank's share as it loads
+        model.load_weight(name, *tensors, device=device, dtype=dtype)
+    if quantization != "gguf":
+        checkpoint.check_all_taken()
+    model.check_loaded()
+    # The RoPE tables and norms go to dtype too, as HF casts cos/sin to the activations' dtype.
+    model = model.to(device=device, dtype=dtype)
     if quantization in ("int4", "int8"):
         model.quantize(4 if quantization == "int4" else 8)
-        model.fuse()
-    elif device.type == "cpu" and dtype == torch.float32:
+    elif device.type == "cpu" and dtype == torch.float32 and quantization is None:
         if int8 and int8_linear_available():
             model.quantize_int8()
         elif pack_weights and onednn_linear_available():
             model.pack_linear_weights()
+    model.fuse()
     release_freed_memory()  # the checkpoint's copies, the unpacked or unsplit weights
     return model, cfg, hf_config
 
@@ -224,9 +183,9 @@ def read_generation_eos(path: str | Path) -> set[int]:
 @dataclass
 class EngineModels:
     path: Path  # the target's directory
-    model: LlamaForCausalLM
+    model: CausalLM
     cfg: ModelConfig
-    draft: tuple[LlamaForCausalLM, ModelConfig] | None  # with spec_method="draft"
+    draft: tuple[CausalLM, ModelConfig] | None  # with spec_method="draft"
     tokenizer: PreTrainedTokenizerBase
     eos_token_ids: set[int]  # the generation config's and the tokenizer's
     shard_cfg: ModelConfig  # the shape of this rank's shard of the target (cfg on one rank)
@@ -239,7 +198,7 @@ class EngineModels:
         return sum(c.kv_bytes_per_block(block_size, element_bytes) for c in cfgs)
 
 
-def load_target(config: EngineConfig, group=None) -> tuple[LlamaForCausalLM, ModelConfig, Path]:
+def load_target(config: EngineConfig, group=None) -> tuple[CausalLM, ModelConfig, Path]:
     """The target model as the config says (with a tensor-parallel group: this rank's shard),
     and its directory. draft_model="self" drafts with the target's own quantized copy, so the
     target itself then loads exact (dense)."""
@@ -268,11 +227,7 @@ def load_engine_models(config: EngineConfig, group=None) -> EngineModels:
     spec_method="draft", the draft model (whole, on rank 0), as the config says."""
     device, dtype = config.torch_device, config.torch_dtype
     model, cfg, path = load_target(config, group)
-    shard_cfg = cfg
-    if group is not None:
-        from engine.distributed.tensor_parallel import local_config
-
-        shard_cfg = local_config(cfg, group.world)
+    shard_cfg = cfg if group is None else local_config(cfg, group.world)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     eos = read_generation_eos(path) | {tokenizer.eos_token_id} - {None}
     if config.spec_method != "draft":

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 GROUP = 32  # values per scale along the input dimension
 TILE = 16  # output rows the tandem kernel interleaves (see _pack_tandem)
@@ -218,8 +219,9 @@ def _reference_tandem(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     return torch.from_numpy(acc)
 
 
-class QuantizedLinear:
-    """y = x W^T + b over a QuantizedWeight, on the backend `choose_backend` picks."""
+class QuantizedLinear(nn.Module):
+    """y = x W^T + b over a QuantizedWeight, on the backend `choose_backend` picks (a weight
+    format of engine.models.layers.Linear; its tensors stay where they were built)."""
 
     def __init__(
         self,
@@ -229,6 +231,7 @@ class QuantizedLinear:
         dtype: torch.dtype = torch.float32,
         backend: str | None = None,
     ):
+        super().__init__()
         self.out_features, self.in_features = weight.out_features, weight.in_features
         self.bits = weight.bits
         self.backend = backend or choose_backend(device, weight.out_features)
@@ -244,7 +247,7 @@ class QuantizedLinear:
         else:
             self.dense = weight.dequantize().to(device=device, dtype=dtype)  # [N, K]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [M, K] -> [M, N] in x's dtype
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [M, K] -> [M, N] in x's dtype
         if self.backend == "tandem":
             y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
             torch.ops.tandem_cpu.linear_out(
@@ -294,10 +297,11 @@ def _pack_int4(codes: torch.Tensor, rows_per_chunk: int = 4096) -> torch.Tensor:
     return torch.cat(chunks) if len(chunks) > 1 else chunks[0]
 
 
-class QuantizedEmbedding:
+class QuantizedEmbedding(nn.Module):
     """Rows of a QuantizedWeight dequantized on lookup: 4-bit codes two per byte at rest."""
 
     def __init__(self, weight: QuantizedWeight, device: torch.device | str, dtype: torch.dtype):
+        super().__init__()
         codes = weight.codes
         if weight.bits == 4:
             codes = codes[:, 0::2] | (codes[:, 1::2] << 4)  # [V, K / 2]
@@ -305,7 +309,7 @@ class QuantizedEmbedding:
         self.scales, self.offsets = weight.scales.to(device), weight.offsets.to(device)
         self.bits, self.dtype = weight.bits, dtype
 
-    def __call__(self, ids: torch.Tensor) -> torch.Tensor:  # [N] -> [N, K]
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [N] -> [N, K]
         codes = self.codes[ids]
         if self.bits == 4:
             codes = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(codes.shape[0], -1)

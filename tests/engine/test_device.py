@@ -87,7 +87,8 @@ def test_bf16_on_cpu_agrees_with_hf_bf16(tiny_llama, backend):
     scores in float32 and flipped one near-tie, 1 ulp apart.)"""
     got, llm = bf16_engine_outputs(tiny_llama, "cpu", backend)
     assert llm.engine.runner.kv_caches.dtype == torch.bfloat16
-    assert llm.engine.runner.model.layers[0].qkv_proj.weight.dtype == torch.bfloat16
+    qkv = llm.engine.runner.model.layers[0].self_attn.qkv_proj
+    assert qkv.format.weight.dtype == torch.bfloat16
     exact = assert_hf_bf16_argmax(tiny_llama, got, "cpu")
     assert exact >= len(PROMPTS) * NEW_TOKENS - 2
     snap = llm.engine.snapshot()

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.models.llama import Linear, onednn_linear_available, packed_linear, padded_rows
+from engine.models.layers import Linear
+from engine.models.weights import onednn_linear_available, packed_linear, padded_rows
 
 
 def test_padded_rows_few_sizes_little_padding():
@@ -27,16 +28,15 @@ def test_padded_rows_few_sizes_little_padding():
 def test_packed_linear_equals_dense(num_rows, bias):
     g = torch.Generator().manual_seed(num_rows)
     linear = Linear(48, 80, bias)
-    with torch.no_grad():
-        linear.weight.copy_(torch.randn(80, 48, generator=g))
-        if bias:
-            linear.bias.copy_(torch.randn(80, generator=g))
+    weight = torch.randn(80, 48, generator=g)
+    b = torch.randn(80, generator=g) if bias else None
+    linear.load(weight, b, "cpu", torch.float32)
     x = torch.randn(num_rows, 48, generator=g)
-    expected = F.linear(x, linear.weight, linear.bias)
+    expected = F.linear(x, weight, b)
     linear.pack()
     got = linear(x)
     assert got.shape == (num_rows, 80)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
     # The padding rows are zeros and never leak into the returned rows.
-    packed = linear.packed
-    torch.testing.assert_close(packed_linear(x[:1], packed, linear.bias), got[:1])
+    packed = linear.format.weight
+    torch.testing.assert_close(packed_linear(x[:1], packed, b), got[:1])

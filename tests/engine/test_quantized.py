@@ -230,28 +230,35 @@ def _smollm2_dir():
 
 
 def test_gguf_weights_equal_transformers_dequantized_checkpoint():
-    """Every projection in our layout equals the checkpoint transformers dequantized from the
-    same GGUF: names, fusion, the Q/K row permutation and the block decoding alike."""
-    from engine.models.gguf_loader import GGUFWeights, layer_weights
-    from engine.models.loader import _fused_state, _load_state, gguf_file, load_model
+    """The architecture's two weight maps agree module by module: every tensor its GGUF map
+    gives equals what its HF map gives from the checkpoint transformers dequantized from the
+    same GGUF (names, fusion, the Q/K row permutation and the block decoding alike)."""
+    from engine.models.architectures import Checkpoint, architecture
+    from engine.models.gguf_loader import GGUFWeights
+    from engine.models.loader import _load_state, gguf_file, load_model
+    from engine.models.quantized import QuantizedEmbedding
 
     path = _smollm2_dir()
     _, cfg, _ = load_model(path, quantization=None, pack_weights=False)
-    dense = _fused_state(cfg, _load_state(path))
-    weights = GGUFWeights(gguf_file(path))
-    for i in range(cfg.num_layers):
-        for name, weight in layer_weights(weights, cfg, i).items():
-            want = dense[f"layers.{i}.{name}.weight"]
-            torch.testing.assert_close(weight.dequantize(), want, rtol=1e-5, atol=1e-6)
-    embed = weights.quantized("token_embd.weight")
-    assert embed.bits == 8  # Q8_0
-    torch.testing.assert_close(embed.dequantize(), dense["embed_tokens.weight"])
+    arch = architecture(cfg.model_type)
+    dense = {name: t for name, *t in arch.hf_weights(cfg, Checkpoint(_load_state(path)))}
+    dense["lm_head"] = dense["embed_tokens"]  # tied (the HF map gives None)
+    embedding = dense["embed_tokens"][0]
+    compared = 0
+    for name, *tensors in arch.gguf_weights(cfg, GGUFWeights(gguf_file(path))):
+        for got, want in zip(tensors, dense.pop(name), strict=True):
+            assert (got is None) == (want is None), name
+            if got is not None:
+                if isinstance(got, QuantizedWeight):
+                    assert name != "embed_tokens" or got.bits == 8  # Q8_0
+                    got = got.dequantize()
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+                compared += 1
+    assert not dense and compared == 3 + 6 * cfg.num_layers  # every module of both maps
     model, _, _ = load_model(path, quantization="gguf")
-    assert model.embed_tokens.weight is None and model.lm_head_weight is None
-    torch.testing.assert_close(
-        model.embed_quantized(torch.arange(7, 4000, 37)),
-        dense["embed_tokens.weight"][7:4000:37],
-    )
+    assert isinstance(model.embed_tokens.format, QuantizedEmbedding)
+    rows = torch.arange(7, 4000, 37)
+    torch.testing.assert_close(model.embed_tokens(rows), embedding[rows])
 
 
 @pytest.fixture(scope="module")
@@ -265,9 +272,8 @@ def reference_scores():
 
 def break_zero_points(model) -> None:
     """Move every projection's group offsets by one step of its scale (a wrong GGUF offset)."""
-    for module in model.modules():
-        layer = getattr(module, "quantized", None)
-        if layer is None:
+    for layer in model.modules():
+        if not isinstance(layer, QuantizedLinear):
             continue
         if layer.backend == "tandem":
             layer.offsets += layer.scales
@@ -299,8 +305,8 @@ def test_native_gguf_meets_the_quality_rule_and_a_broken_zero_point_does_not(
     ids, ref = reference_scores
     llm = LLM(SMOLLM2, num_kv_blocks=400, enable_prefix_caching=False)  # quantization "auto"
     model = llm.engine.runner.model
-    assert model.layers[0].qkv_proj.quantized.backend == backend
-    assert model.lm_head_quantized.backend == backend
+    assert model.layers[0].self_attn.qkv_proj.format.backend == backend
+    assert model.lm_head.format.backend == backend
     assert_rule_holds_then_breaks(llm, ids, ref, 2303)
 
 
@@ -330,7 +336,7 @@ def test_fused_decode_meets_the_quality_rule_and_a_broken_attention_does_not(ref
     assert compare(unfused, fused).top1_agreement >= 0.95
     model.fused_layers = True
     for layer in model.layers:
-        layer.sliding_window = 1
+        layer.self_attn.window = 1
     broken = compare(span(ref, prefill, len(ids)), teacher_forced_decode(llm, ids, prefill))
     assert not broken.passes, str(broken)
 
@@ -405,8 +411,8 @@ def test_self_draft_is_exact_for_greedy_and_seeded_sampling():
     )
     plain = LLM(SMOLLM2, quantization=None, num_kv_blocks=128)
     target, draft = llm.engine.runner.model, llm.engine.draft_runner.model
-    assert target.layers[0].qkv_proj.quantized is None
-    assert draft.layers[0].qkv_proj.quantized is not None
+    assert not isinstance(target.layers[0].self_attn.qkv_proj.format, QuantizedLinear)
+    assert isinstance(draft.layers[0].self_attn.qkv_proj.format, QuantizedLinear)
     chats = [
         [{"role": "user", "content": "Explain what a hash table is in two sentences."}],
         [{"role": "user", "content": "Write a haiku about the sea."}],

@@ -151,7 +151,8 @@ def test_conversion_equals_an_independent_decode_of_the_gguf(converted, layer):
     import torch
     from safetensors import safe_open
 
-    from engine.models.gguf_loader import GGUFWeights, unpermute_rows
+    from engine.models.gguf_loader import GGUFWeights
+    from engine.models.llama import unpermute_rows
 
     path = converted[1]
     gguf = GGUFWeights(path / EMBEDDED_MODELS[SMOL].gguf_file)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models.llama import apply_rope
+from engine.models.layers import apply_rope
 from engine.models.quantized import tandem_kernel_available
 from kernels.reference import causal_mask
 
@@ -108,8 +108,8 @@ def test_attend_refuses_a_context_beyond_its_table():
 
 
 def test_fused_layer_equals_its_pieces_composed(tmp_path):
-    """DecoderLayer._fused (one C++ call) and _composed (the ops from Python, as steps with
-    adapters or tensor-parallel sums run): the same hidden states and caches, bit for bit."""
+    """A layer's one C++ call and its pieces composed from Python (as steps with adapters or
+    tensor-parallel sums run them): the same hidden states and caches, bit for bit."""
     from engine import LLM
     from engine.attention import row_metadata, slot_ids
     from models import make_tiny_model
@@ -130,12 +130,13 @@ def test_fused_layer_equals_its_pieces_composed(tmp_path):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, model.config.hidden_size, generator=g)
     positions = meta.seq_lens - 1
-    cos = model.cos_cache[positions].unsqueeze(1)
-    sin = model.sin_cache[positions].unsqueeze(1)
+    cos, sin = model.rotary(positions)
     caches = torch.randn_like(llm.engine.runner.kv_caches[0])
     fused_cache, composed_cache = caches.clone(), caches.clone()
-    fused = layer._fused(x.clone(), cos, sin, fused_cache, meta)
-    composed = layer._composed(x.clone(), cos, sin, composed_cache, meta, None)
+    fused = layer(x.clone(), cos, sin, fused_cache, meta)
+    call, layer.fused = layer.fused, None  # the pieces
+    composed = layer(x.clone(), cos, sin, composed_cache, meta)
+    layer.fused = call
     assert torch.equal(fused, composed)
     assert torch.equal(fused_cache, composed_cache)
     assert not torch.equal(fused_cache, caches)  # the step's keys and values were written

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.models.loader import load_model
+from engine.models.quantized import QuantizedLinear
 from lora import LoRARequest
 from lora.adapter import load_adapter
 from lora.batch import LoRASlots, PackedLoRABatch
@@ -314,9 +315,10 @@ def test_speculation_with_adapters_equals_peft(tiny_llama, adapters, hf_referenc
     by_adapter = llm.engine.snapshot()["speculation"]["by_adapter"]
     assert set(by_adapter) <= set(ADAPTERS) and sum(s["num_drafts"] for s in by_adapter.values())
     if method == "quantized-self":
-        layer = llm.engine.draft_runner.model.layers[0]
-        assert layer.qkv_proj.quantized is not None and layer.qkv_proj.quantized.bits == 8
-        assert llm.engine.runner.model.layers[0].qkv_proj.quantized is None
+        qkv = llm.engine.draft_runner.model.layers[0].self_attn.qkv_proj.format
+        assert isinstance(qkv, QuantizedLinear) and qkv.bits == 8
+        target = llm.engine.runner.model.layers[0].self_attn.qkv_proj.format
+        assert not isinstance(target, QuantizedLinear)
         assert set(by_adapter) == set(ADAPTERS)
         # 0.74-1.0 per adapter here; a draft without the request's adapter accepts ~0
         assert all(s["num_accepted"] > 0.6 * s["num_drafts"] > 0 for s in by_adapter.values())

@@ -304,7 +304,9 @@ def test_int8_self_draft_on_real_weights_is_lossless_and_mostly_accepted():
         num_kv_blocks=64,
         adaptive_speculation=False,
     )
-    assert llm.engine.draft_runner.model.lm_head_int8 is not None
+    from engine.models.weights import DynamicInt8
+
+    assert isinstance(llm.engine.draft_runner.model.lm_head.format, DynamicInt8)
     chat = [{"role": "user", "content": "Explain what a hash table is in two sentences."}]
     prompt = llm.apply_chat_template(chat)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)

@@ -67,7 +67,8 @@ def test_logits_gather_pads_uneven_shares():
     import torch
     import torch.distributed as dist
 
-    from engine.distributed.tensor_parallel import TIMEOUT, Group, vocab_rows
+    from engine.distributed.tensor_parallel import TIMEOUT, Group
+    from engine.models.parallel import vocab_rows
 
     assert [vocab_rows(5, r, 2) for r in range(2)] == [(0, 3), (3, 5)]
     assert [vocab_rows(10, r, 3) for r in range(3)] == [(0, 4), (4, 8), (8, 10)]
@@ -106,7 +107,7 @@ def test_two_ranks_equal_one(arch, request):
     llm, outs = generate(model, enable_prefix_caching=False, tensor_parallel_size=2)
     assert llm.engine.runner.kv_caches.shape[2] == 1  # of the 2 KV heads
     model_ = llm.engine.runner.model  # rank 0 computes half the vocabulary's logits
-    assert model_.lm_head_weight.shape[0] == -(-model_.config.vocab_size // 2)
+    assert model_.lm_head.format.weight.shape[0] == -(-model_.config.vocab_size // 2)
     assert len(outs[0].prompt_logprobs) == len(PROMPTS[0])
     # (a split weight that required grad chained every step's graph onto the KV cache)
     assert not any(p.requires_grad for p in llm.engine.runner.model.parameters())
@@ -125,7 +126,7 @@ def test_two_ranks_quantized(tiny_llama, bits):
     with an all-reduce between the halves."""
     _, reference = generate(tiny_llama, quantization=bits)
     llm, outs = generate(tiny_llama, quantization=bits, tensor_parallel_size=2)
-    assert llm.engine.runner.model.layers[0].o_proj.quantized.in_features == 32  # of 64
+    assert llm.engine.runner.model.layers[0].self_attn.o_proj.format.in_features == 32  # of 64
     assert_same(outs, reference, tolerance=0.05)
     assert_idle(llm)
     llm.engine.workers.close()
@@ -268,6 +269,7 @@ def test_gguf_split_three_ways_meets_the_quality_rule_and_a_broken_shard_does_no
     ids = held_tokens(exact.tokenizer, 1024)
     reference = teacher_forced(exact, ids)
     llm = LLM("smollm2-135m-instruct", num_threads=1, num_kv_blocks=200, tensor_parallel_size=3)
-    assert llm.engine.runner.model.layers[0].o_proj.quantized.in_features == 192  # of 576
+    o_proj = llm.engine.runner.model.layers[0].self_attn.o_proj
+    assert o_proj.format.in_features == 192  # of 576
     assert_rule_holds_then_breaks(llm, ids, reference, 1023)
     llm.engine.workers.close()
