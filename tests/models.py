@@ -1,5 +1,5 @@
-"""Tiny random HF checkpoints (Llama / Qwen2 / Mistral) with a byte-level tokenizer, and PEFT
-adapters for them, for tests.
+"""Tiny random HF checkpoints (Llama / Qwen2 / Qwen3 / Mistral) with a byte-level tokenizer, and
+PEFT adapters for them, for tests.
 
 Weights are drawn with a large std so logits are peaked: argmax ties cannot flip between our
 kernels and HF's, which makes exact token-id parity a fair test.
@@ -17,6 +17,7 @@ from transformers import (
     MistralConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen3Config,
 )
 
 VOCAB = 320  # 256 bytes + specials, padded
@@ -52,7 +53,12 @@ def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, std: float =
         pad_token_id=None,
     )
     common.update(kw)
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
+    cls = {
+        "llama": LlamaConfig,
+        "qwen2": Qwen2Config,
+        "qwen3": Qwen3Config,
+        "mistral": MistralConfig,
+    }[arch]
     if arch == "qwen2":
         common.setdefault("tie_word_embeddings", False)
     config = cls(**common)

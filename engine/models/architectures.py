@@ -17,6 +17,7 @@ MODULES = {
     "llama": "engine.models.llama",
     "mistral": "engine.models.llama",
     "qwen2": "engine.models.llama",
+    "qwen3": "engine.models.qwen3",
 }
 
 # A weight map yields (module name, tensors...) for CausalLM.load_weight: a Linear's (weight,

@@ -23,6 +23,7 @@ class ModelConfig:
     mlp_bias: bool
     sliding_window: int | None
     hidden_act: str
+    qk_norm: bool = False  # an RMSNorm over each query and key head before RoPE (Qwen3)
 
     def kv_bytes_per_block(self, block_size: int, element_bytes: int = 4) -> int:
         """One KV block's bytes: K and V of every layer and KV head, block_size positions."""

@@ -158,6 +158,14 @@ class Attention(nn.Module):
             (index, "qkv"),
         )  # fmt: skip
         self.o_proj = Linear(q, cfg.hidden_size, False, "row", None, parallel, (index, "o"))
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def head_norms(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
+        """(q_norm weight, k_norm weight, eps) as the C++ pieces take them (None: none)."""
+        if self.q_norm is None:
+            return None, None, 0.0
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
 
     def forward(
         self,
@@ -173,7 +181,7 @@ class Attention(nn.Module):
             ops = torch.ops.tandem_cpu
             ops.rope_store(
                 qkv, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping, self.num_heads,
-                self.num_kv_heads,
+                self.num_kv_heads, *self.head_norms(),
             )  # fmt: skip
             attn = ops.attend(
                 qkv, kv_cache[0], kv_cache[1], meta.block_tables, meta.row_tables, meta.seq_lens,
@@ -182,8 +190,11 @@ class Attention(nn.Module):
         else:
             n = h.shape[0]
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
-            k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+            q = q.view(n, self.num_heads, self.head_dim)
+            k = k.view(n, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             v = v.view(n, self.num_kv_heads, self.head_dim)
             attn = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale)
             attn = attn.reshape(n, self.q_size)

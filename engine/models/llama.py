@@ -1,4 +1,5 @@
-"""The Llama family (Llama, Mistral, Qwen2): config mapping, weight maps and decoder layer.
+"""The Llama family (Llama, Mistral, Qwen2): config mapping, weight maps and decoder layer,
+which Qwen3 reuses (engine/models/qwen3.py: a norm over each query and key head).
 
 Q/K/V and gate/up are fused into one projection each (fewer, larger GEMMs); the weight maps
 stack the checkpoint's rows. Qwen2 differs only by a bias on the QKV projection and an untied
@@ -90,6 +91,7 @@ class LlamaDecoderLayer(nn.Module):
             self.post_attention_layernorm.weight, self.input_layernorm.eps, cos, sin,
             kv_cache[0], kv_cache[1], meta.slot_mapping, meta.block_tables, meta.row_tables,
             meta.seq_lens, attn.num_heads, attn.num_kv_heads, attn.scale, attn.window,
+            *attn.head_norms(),
         )  # fmt: skip
         return x
 
@@ -117,6 +119,9 @@ def hf_weights(cfg: ModelConfig, ckpt: Checkpoint) -> WeightMap:
         yield mlp + "down_proj", ckpt.take(mlp + "down_proj.weight"), bias
         for norm in ("input_layernorm", "post_attention_layernorm"):
             yield p + norm, ckpt.take(p + norm + ".weight")
+        if cfg.qk_norm:
+            yield att + "q_norm", ckpt.take(att + "q_norm.weight")
+            yield att + "k_norm", ckpt.take(att + "k_norm.weight")
 
 
 def unpermute_rows(num_rows: int, num_heads: int) -> torch.Tensor:
@@ -154,6 +159,9 @@ def gguf_weights(cfg: ModelConfig, w: GGUFWeights) -> WeightMap:
         gate_up = [w.quantized(p + "ffn_gate.weight"), w.quantized(p + "ffn_up.weight")]
         yield ours + "mlp.gate_up_proj", QuantizedWeight.cat_rows(gate_up), None
         yield ours + "mlp.down_proj", w.quantized(p + "ffn_down.weight"), None
+        if cfg.qk_norm:
+            yield ours + "self_attn.q_norm", w.dense(p + "attn_q_norm.weight")
+            yield ours + "self_attn.k_norm", w.dense(p + "attn_k_norm.weight")
 
 
 LLAMA = Architecture(llama_config, build, hf_weights, gguf_weights)
