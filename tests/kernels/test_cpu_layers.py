@@ -107,14 +107,15 @@ def test_attend_refuses_a_context_beyond_its_table():
         attend(qkv[:1], caches, tables, row_tables[:1], seq_lens[:1] + 8, heads, 1.0, 0)
 
 
-def test_fused_layer_equals_its_pieces_composed(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # a QKV bias; per-head norms
+def test_fused_layer_equals_its_pieces_composed(tmp_path, arch):
     """A layer's one C++ call and its pieces composed from Python (as steps with adapters or
     tensor-parallel sums run them): the same hidden states and caches, bit for bit."""
     from engine import LLM
     from engine.attention import row_metadata, slot_ids
     from models import make_tiny_model
 
-    path = make_tiny_model(tmp_path / "tiny", "qwen2")  # a QKV bias too
+    path = make_tiny_model(tmp_path / "tiny", arch)
     llm = LLM(str(path), quantization="int4", num_kv_blocks=16, block_size=4)
     model = llm.engine.runner.model
     assert model.fused_layers
