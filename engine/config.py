@@ -25,7 +25,7 @@ MAX_SPECULATIVE_TOKENS = 15
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = "smollm2-135m-instruct"  # embedded name or a local HF directory
+    model: str = "smollm2-135m-instruct"  # embedded name, a local HF directory or a .gguf file
     block_size: int = 16
     max_num_seqs: int = 128  # requests running at once
     max_num_batched_tokens: int = 1024  # token budget per step (prefill chunk size)

@@ -56,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     gen = sub.add_parser(
         "generate", help="generate text (one-shot with --prompt, else interactive)"
     )
-    gen.add_argument("--model", default="smollm2-135m-instruct")
+    gen.add_argument(
+        "--model", default="smollm2-135m-instruct", help="embedded name, HF directory or .gguf"
+    )
     gen.add_argument("--prompt", default=None)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--max-tokens", type=int, default=256)

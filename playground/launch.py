@@ -18,9 +18,22 @@ if TYPE_CHECKING:
     from engine.entrypoints.openai.server import ServerState
 
 
+def served_name(model: str) -> str:
+    """The name /v1/models shows for --model: a GGUF file's stem (not its path on this
+    machine), else what was given."""
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else model
+
+
 def add_server_args(parser: argparse.ArgumentParser, port: int) -> None:
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--served-model-name", default=None, help="default: --model")
+    parser.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="an embedded model's name, an HF model directory or a .gguf file",
+    )
+    parser.add_argument(
+        "--served-model-name", default=None, help="default: --model (a GGUF file: its name)"
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=port, help="0 picks a free port")
     parser.add_argument(
@@ -132,7 +145,7 @@ def build_state(args: argparse.Namespace, adapters: dict[str, LoRARequest]) -> S
     limits = {"max_body_bytes": args.max_body_bytes} if args.max_body_bytes else {}
     return ServerState(
         engine,
-        args.served_model_name or args.model,
+        args.served_model_name or served_name(args.model),
         adapters,
         api_key=args.api_key,
         lora_dir=Path(args.lora_dir) if args.lora_dir else None,

@@ -180,7 +180,7 @@ def _write_dense(gguf: Path, out_dir: Path) -> None:
     model.save_pretrained(out_dir, safe_serialization=True)
 
 
-def _convert(spec: EmbeddedModel, gguf: Path, out_dir: Path, dense: bool = True) -> None:
+def _convert(gguf: Path, out_dir: Path, dense: bool = True) -> None:
     _write_metadata(gguf, out_dir)
     if dense:
         _write_dense(gguf, out_dir)
@@ -215,47 +215,118 @@ def _add_dense(target: Path) -> None:
 
 
 def resolve_model(name_or_path: str, dense: bool = True) -> Path:
-    """Model directory for a path holding config.json or an embedded model name (converted once).
+    """Model directory for a path holding config.json, a GGUF file's path, or an embedded
+    model name (the last two converted once into the cache).
 
-    dense=False: an embedded model needs only its config, tokenizer and GGUF (the quantized
-    weights run from it); the float32 checkpoint is written the first time it is asked for."""
+    dense=False: a GGUF model needs only its config, tokenizer and GGUF (the quantized weights
+    run from it); the float32 checkpoint is written the first time it is asked for."""
     path = Path(name_or_path).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         return path
+    if path.suffix == ".gguf" or path.is_file():
+        return _gguf_file_model(path, dense)
     spec = EMBEDDED_MODELS.get(name_or_path)
     if spec is None:
         raise ValueError(
-            f"{name_or_path!r} is neither a model directory with config.json nor an embedded "
-            f"model; embedded models: {', '.join(EMBEDDED_MODELS)}"
+            f"{name_or_path!r} is neither a model directory with config.json, a GGUF file nor "
+            f"an embedded model; embedded models: {', '.join(EMBEDDED_MODELS)}"
         )
+
+    def place(work: Path) -> tuple[Path, str]:
+        gguf = _locate_gguf(spec, work)
+        got = _sha256(gguf)
+        if got != spec.sha256:
+            raise ValueError(
+                f"sha256 mismatch for {spec.gguf_file} ({spec.name}): "
+                f"expected {spec.sha256}, got {got}"
+            )
+        out = work / "model" / spec.gguf_file
+        out.parent.mkdir()
+        if spec.multipart:  # assembled in the work dir: keep it
+            os.replace(gguf, out)
+        else:
+            shutil.copyfile(gguf, out)
+        return out, got
+
+    return _materialize(spec.name, place, dense)
+
+
+def _gguf_file_model(path: Path, dense: bool) -> Path:
+    """A user's GGUF file, kept in the cache under its content hash (hashed again only when
+    its size or modification time changes) with the config and tokenizer from its metadata."""
+    if not path.is_file():
+        raise ValueError(f"GGUF file {str(path)!r} does not exist")
+    digest = _file_digest(path.resolve())
+    _check_gguf_architecture(path)
+
+    def place(work: Path) -> tuple[Path, str]:
+        out = work / "model" / path.name
+        out.parent.mkdir()
+        try:  # the same bytes without a copy where the cache shares the file system
+            os.link(path, out)
+        except OSError:
+            shutil.copyfile(path, out)
+        return out, digest
+
+    return _materialize(f"gguf-{digest[:16]}", place, dense)
+
+
+def _file_digest(path: Path) -> str:
+    """sha256 of a file, remembered by (path, size, mtime) in the cache's index."""
+    index_file = cache_dir() / "models" / "gguf-index.json"
+    stat = path.stat()
+    key = f"{path}:{stat.st_size}:{stat.st_mtime_ns}"
+    index = json.loads(index_file.read_text()) if index_file.is_file() else {}
+    if key not in index:
+        index[key] = _sha256(path)
+        index_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = index_file.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(index))
+        os.replace(tmp, index_file)
+    return index[key]
+
+
+def _check_gguf_architecture(path: Path) -> None:
+    """The file's general.architecture is one we run (before anything is converted)."""
+    from gguf import GGUFReader
+
+    from engine.models.architectures import MODULES
+
+    try:
+        field = GGUFReader(str(path)).fields["general.architecture"]
+        arch = bytes(field.parts[field.data[0]]).decode()
+    except Exception as e:  # not GGUF, truncated, no architecture
+        raise ValueError(f"cannot read GGUF file {str(path)!r}: {e}") from None
+    if arch not in MODULES:
+        raise ValueError(
+            f"GGUF file {str(path)!r}: architecture {arch!r} is not supported; supported: "
+            f"{sorted(MODULES)}"
+        )
+
+
+def _materialize(name: str, place, dense: bool) -> Path:
+    """The cache's model directory `name`: on first use, place(work) puts the GGUF in
+    work/model and returns (its path, its sha256); the config, tokenizer and (with `dense`) the
+    float32 checkpoint are written beside it, and the whole moved in at once."""
     models = cache_dir() / "models"
-    target = models / spec.name
+    target = models / name
     if _is_converted(target, dense):
         return target
-    with _file_lock(models / f".{spec.name}.lock"):
+    with _file_lock(models / f".{name}.lock"):
         if _is_converted(target, dense):  # another process finished while we waited
             return target
         if _is_converted(target, dense=False):
             _add_dense(target)
             return target
-        work = Path(tempfile.mkdtemp(prefix=f".{spec.name}.tmp-", dir=models))
+        work = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=models))
         try:
-            gguf = _locate_gguf(spec, work)
-            got = _sha256(gguf)
-            if got != spec.sha256:
-                raise ValueError(
-                    f"sha256 mismatch for {spec.gguf_file} ({spec.name}): "
-                    f"expected {spec.sha256}, got {got}"
-                )
-            out = work / "model"
-            _convert(spec, gguf, out, dense)
-            if spec.multipart:  # assembled in the work dir: keep it
-                os.replace(gguf, out / spec.gguf_file)
-            else:
-                shutil.copyfile(gguf, out / spec.gguf_file)
+            gguf, digest = place(work)
+            out = gguf.parent
+            _convert(gguf, out, dense)
             for f in out.iterdir():  # safetensors writes 0600; keep the cache shareable
-                f.chmod(0o644)
-            marker = {"name": spec.name, "gguf": spec.gguf_file, "sha256": got, "dense": dense}
+                if f != gguf:
+                    f.chmod(0o644)
+            marker = {"name": name, "gguf": gguf.name, "sha256": digest, "dense": dense}
             (out / MARKER).write_text(json.dumps(marker) + "\n")
             if target.exists():  # half-written leftover without a marker
                 shutil.rmtree(target)

@@ -224,8 +224,7 @@ def _fake_spec(monkeypatch, tmp_path, payload: bytes, sha: str | None = None) ->
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(registry, "_locate_gguf", lambda s, work: gguf)
 
-    def fake_convert(spec: EmbeddedModel, gguf: Path, out: Path, dense: bool = True) -> None:
-        out.mkdir()
+    def fake_convert(gguf: Path, out: Path, dense: bool = True) -> None:
         (out / "config.json").write_text("{}")
 
     monkeypatch.setattr(registry, "_convert", fake_convert)
@@ -257,9 +256,7 @@ def test_cache_without_its_gguf_is_redone(monkeypatch, tmp_path):
     assert (target / "fake.gguf").read_bytes() == b"gguf bytes"
     (target / "fake.gguf").unlink()
     converted = []
-    monkeypatch.setattr(
-        registry, "_convert", lambda spec, gguf, out, dense: converted.append(out) or out.mkdir()
-    )
+    monkeypatch.setattr(registry, "_convert", lambda gguf, out, dense: converted.append(out))
     assert resolve_model(spec.name) == target
     assert len(converted) == 1 and (target / "fake.gguf").read_bytes() == b"gguf bytes"
 
@@ -292,3 +289,50 @@ def test_multipart_assembly_order(monkeypatch, tmp_path):
     out = registry._locate_gguf(spec, work)
     assert out == work / "fake-parts.gguf"
     assert out.read_bytes() == b"".join(chunks[i] for i in range(1, 12))
+
+
+# ---- any GGUF file by path ---------------------------------------------------------------------
+def test_a_gguf_file_by_path_runs_as_its_embedded_twin(tmp_path):
+    """SmolLM2's GGUF given by its path: the config, tokenizer and chat template come from the
+    file, the directory is kept under its content hash (and found again without converting),
+    and greedy tokens equal the embedded model's."""
+    from engine import LLM, SamplingParams
+
+    gguf = registry._locate_gguf(EMBEDDED_MODELS["smollm2-135m-instruct"], tmp_path)
+    by_path = LLM(str(gguf), num_kv_blocks=64)
+    target = resolve_model(str(gguf), dense=False)
+    assert target.name == f"gguf-{hashlib.sha256(gguf.read_bytes()).hexdigest()[:16]}"
+    assert (target / gguf.name).stat().st_size == gguf.stat().st_size
+    assert by_path.engine.runner.model.fused_layers  # its own blocks on the C++ kernels
+    embedded = LLM("smollm2-135m-instruct", num_kv_blocks=64)
+    chat = [{"role": "user", "content": "Name a colour."}]
+    prompt = by_path.apply_chat_template(chat)
+    assert prompt == embedded.apply_chat_template(chat)
+    params = SamplingParams(temperature=0, max_tokens=16)
+    got = by_path.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == embedded.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    from playground.launch import served_name  # the server names it by the file, not its path
+
+    assert served_name(str(gguf)) == "SmolLM2-135M-Instruct.Q4_1"
+
+
+def test_gguf_files_that_cannot_run_are_refused_by_name(monkeypatch, tmp_path):
+    from gguf import GGUFWriter
+
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    missing = tmp_path / "nowhere.gguf"
+    with pytest.raises(ValueError, match=f"GGUF file '{missing}' does not exist"):
+        resolve_model(str(missing))
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf at all")
+    with pytest.raises(ValueError, match=f"cannot read GGUF file '{junk}'"):
+        resolve_model(str(junk))
+    other = tmp_path / "gpt2.gguf"
+    writer = GGUFWriter(str(other), "gpt2")  # metadata only: refused before any tensor
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"architecture 'gpt2' is not supported; supported: \["):
+        resolve_model(str(other))
+    converted = [p for p in (tmp_path / "cache" / "models").glob("gguf-*") if p.is_dir()]
+    assert not converted  # nothing half-converted
