@@ -14,7 +14,7 @@ from engine.attention import AttentionMetadata, RowAttention
 from engine.models.config import ModelConfig
 from engine.models.layers import Embedding, Linear, LMHead, RMSNorm, RotaryTables
 from engine.models.parallel import ONE_RANK, Parallel
-from engine.models.quantized import QuantizedWeight
+from engine.models.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedWeight
 from engine.models.weights import onednn_linear_available
 
 if TYPE_CHECKING:
@@ -65,6 +65,19 @@ class CausalLM(nn.Module):
         if name == "lm_head" and tensors[0] is None:  # tied to a dense embedding
             tensors = (self.embed_tokens.format.weight,)
         self.get_submodule(name).load(*tensors, device=device, dtype=dtype)
+        if name == "embed_tokens":
+            self._embedding = tensors[0]  # (until the head loads: tied if it is the same)
+        elif name == "lm_head" and tensors[0] is getattr(self, "_embedding", None):
+            self._tie_quantized(dtype)
+        if name == "lm_head":
+            self._embedding = None
+
+    def _tie_quantized(self, dtype: torch.dtype) -> None:
+        """A quantized embedding tied to a whole LM head on the C++ kernel reads the head's
+        tiles (one copy of the table, as in the file)."""
+        head, whole = self.lm_head.format, self.lm_head.parallel.world == 1
+        if whole and isinstance(head, QuantizedLinear) and head.backend == "tandem":
+            self.embed_tokens.format = QuantizedEmbedding.from_head(head, dtype)
 
     def linears(self) -> list[tuple[str, Linear]]:
         return [(n, m) for n, m in self.named_modules() if isinstance(m, Linear)]
@@ -102,6 +115,8 @@ class CausalLM(nn.Module):
         tied = self.lm_head.format.weight is dense  # (a split head is a copy of its rows)
         self.embed_tokens.load(embed, dense.device, dense.dtype)
         self.lm_head.quantize(8, embed if tied else None)
+        if tied:
+            self._tie_quantized(dense.dtype)
 
     def fuse(self) -> bool:
         """Every row through the C++ kernels where every layer can (float32, projections on

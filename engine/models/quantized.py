@@ -4,7 +4,7 @@ A quantized weight holds integer codes q in [0, 2^bits) with, per GROUP = 32 inp
 scale d and an offset m: w = d q + m, the affine form every GGUF block type reduces to (Q4_0,
 Q4_1 and Q4_K at 4 bits; Q5_0, Q5_1, Q5_K and Q8_0 held exactly in 8-bit codes; others
 requantized to 8 bits by engine/models/gguf_blocks.py). d and m are float32: Q4_K's d x 6-bit
-sub-scales are exact there.
+sub-scales are exact there; the tandem kernel keeps them in float16 where all are exact in it.
 
 `QuantizedLinear` runs y = x W^T + b with the first of these that runs here:
 - "tandem": our C++ kernel (kernels/cpu/quant_matmul.cpp): activations quantized per 32 values
@@ -282,8 +282,11 @@ def _pack_tandem(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, t
     def by_tile(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [T, G, TILE]
         return F.pad(t, (0, 0, 0, rows - n)).reshape(tiles, TILE, groups).transpose(1, 2)
 
+    params = [by_tile(weight.scales), by_tile(weight.offsets)]
+    if all(torch.equal(p.half().float(), p) for p in params):  # the file's own float16
+        params = [p.half() for p in params]
     packed = chunks.reshape(tiles, groups, -1).contiguous()
-    return packed, by_tile(weight.scales).contiguous(), by_tile(weight.offsets).contiguous()
+    return packed, params[0].contiguous(), params[1].contiguous()
 
 
 def _pack_int4(codes: torch.Tensor, rows_per_chunk: int = 4096) -> torch.Tensor:
@@ -298,18 +301,39 @@ def _pack_int4(codes: torch.Tensor, rows_per_chunk: int = 4096) -> torch.Tensor:
 
 
 class QuantizedEmbedding(nn.Module):
-    """Rows of a QuantizedWeight dequantized on lookup: 4-bit codes two per byte at rest."""
+    """Rows of a QuantizedWeight dequantized on lookup (d q + m, as QuantizedWeight.dequantize).
+    With the C++ kernels the table is in their tiled layout: a tied LM head's own (`from_head`,
+    no second copy) or its own; else 4-bit codes two per byte."""
 
     def __init__(self, weight: QuantizedWeight, device: torch.device | str, dtype: torch.dtype):
         super().__init__()
+        self.dtype, self.rows, self.in_features = dtype, weight.out_features, weight.in_features
+        self.tiles: tuple | None = None  # (codes, scales, offsets, bits): _pack_tandem's layout
+        if torch.device(device).type == "cpu" and tandem_kernel_available():
+            self.tiles = (*_pack_tandem(weight), weight.bits)
+            return
         codes = weight.codes
         if weight.bits == 4:
             codes = codes[:, 0::2] | (codes[:, 1::2] << 4)  # [V, K / 2]
         self.codes = codes.to(device)
         self.scales, self.offsets = weight.scales.to(device), weight.offsets.to(device)
-        self.bits, self.dtype = weight.bits, dtype
+        self.bits = weight.bits
+
+    @classmethod
+    def from_head(cls, head: QuantizedLinear, dtype: torch.dtype) -> QuantizedEmbedding:
+        """The embedding tied to `head` (the tandem backend), reading its tiles."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.dtype, self.rows, self.in_features = dtype, head.out_features, head.in_features
+        self.tiles = (head.codes, head.scales, head.offsets, head.bits)
+        return self
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [N] -> [N, K]
+        if self.tiles is not None:
+            rows = torch.ops.tandem_cpu.dequantize_rows(
+                *self.tiles, self.rows, self.in_features, ids.long().contiguous()
+            )
+            return rows.to(self.dtype)
         codes = self.codes[ids]
         if self.bits == 4:
             codes = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(codes.shape[0], -1)

@@ -20,12 +20,15 @@
 // 4j..4j+3, so one VNNI instruction against the activation's four bytes broadcast gives all 16
 // rows' partial sums, and eight of them the group's D for the whole tile, with no horizontal
 // sums. 8 bits: 8 chunks (512 bytes); 4 bits: 4 chunks (256 bytes), chunk c in the low nibbles
-// and chunk c + 4 in the high ones. d, m: [N / 16, G, 16] float32 (exact for every GGUF type
-// read). 256-bit paths take a tile as two halves of 8 rows (the first 32 bytes of each chunk,
-// then the last 32).
+// and chunk c + 4 in the high ones. d, m: [N / 16, G, 16], float16 where every value is exact
+// in it (the file's own for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), else float32 (K-quants' products of
+// a float16 and a 6-bit scale): widened on load to the same float32 either way, so the choice
+// never changes a result. 256-bit paths take a tile as two halves of 8 rows (the first 32
+// bytes of each chunk, then the last 32).
 #include "quant_matmul.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -89,10 +92,30 @@ inline int32_t word(const int8_t* p) {  // four activation codes as one int32 (t
   return v;
 }
 
+// 16 (or 8) scales or offsets as float32, from float32 or float16 (exact either way).
+#if TANDEM_AVX512
+template <typename S>
+inline __m512 load16(const S* p) {
+  if constexpr (sizeof(S) == 2) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  } else {
+    return _mm512_loadu_ps(p);
+  }
+}
+#endif
+template <typename S>
+inline __m256 load8(const S* p) {
+  if constexpr (sizeof(S) == 2) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  } else {
+    return _mm256_loadu_ps(p);
+  }
+}
+
 #if TANDEM_AVX512
 // MT activation rows against one 16-row tile: acc[t] holds row first + t's 16 outputs.
-template <int BITS, int MT>
-inline void tile(const uint8_t* w, const float* d, const float* m, const Activations& a,
+template <int BITS, int MT, typename S>
+inline void tile(const uint8_t* w, const S* d, const S* m, const Activations& a,
                  int64_t first, float* y, int64_t ldy, int64_t width, const float* bias) {
   const int64_t groups = a.kp / G;
   constexpr int64_t unit = BITS == 4 ? 256 : 512;
@@ -111,7 +134,7 @@ inline void tile(const uint8_t* w, const float* d, const float* m, const Activat
         chunk[c] = v;
       }
     }
-    const __m512 dg = _mm512_loadu_ps(d + g * kTile), mg = _mm512_loadu_ps(m + g * kTile);
+    const __m512 dg = load16(d + g * kTile), mg = load16(m + g * kTile);
     for (int t = 0; t < MT; ++t) {
       const int64_t r = first + t;
       const int8_t* p = a.p + r * a.kp + g * G;
@@ -131,8 +154,8 @@ inline void tile(const uint8_t* w, const float* d, const float* m, const Activat
 }
 #else
 // 256 bits: the tile as two halves of 8 rows, each the same steps as the 512-bit path's lanes.
-template <int BITS, int MT>
-inline void tile(const uint8_t* w, const float* d, const float* m, const Activations& a,
+template <int BITS, int MT, typename S>
+inline void tile(const uint8_t* w, const S* d, const S* m, const Activations& a,
                  int64_t first, float* y, int64_t ldy, int64_t width, const float* bias) {
   const int64_t groups = a.kp / G;
   constexpr int64_t unit = BITS == 4 ? 256 : 512;
@@ -152,8 +175,8 @@ inline void tile(const uint8_t* w, const float* d, const float* m, const Activat
           chunk[c] = v;
         }
       }
-      const __m256 dg = _mm256_loadu_ps(d + g * kTile + 8 * half);
-      const __m256 mg = _mm256_loadu_ps(m + g * kTile + 8 * half);
+      const __m256 dg = load8(d + g * kTile + 8 * half);
+      const __m256 mg = load8(m + g * kTile + 8 * half);
       for (int t = 0; t < MT; ++t) {
         const int64_t r = first + t;
         const int8_t* p = a.p + r * a.kp + g * G;
@@ -177,7 +200,7 @@ inline void tile(const uint8_t* w, const float* d, const float* m, const Activat
 }
 #endif
 
-template <int BITS>
+template <int BITS, typename S>
 void matmul(const QuantizedMatrix& w, const Activations& a, int64_t num_rows, float* y,
             int64_t ldy) {
   const int64_t groups = a.kp / G;
@@ -186,23 +209,23 @@ void matmul(const QuantizedMatrix& w, const Activations& a, int64_t num_rows, fl
   at::parallel_for(0, num_tiles, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t i = t0; i < t1; ++i) {
       const uint8_t* codes = w.codes + i * tile_bytes;
-      const float* d = w.d + i * groups * kTile;
-      const float* m = w.m + i * groups * kTile;
+      const S* d = static_cast<const S*>(w.d) + i * groups * kTile;
+      const S* m = static_cast<const S*>(w.m) + i * groups * kTile;
       const int64_t width = std::min(kTile, w.rows - i * kTile);
       const float* bias = w.bias ? w.bias + i * kTile : nullptr;
       float* out = y + i * kTile;
       int64_t r = 0;
       for (; r + kMaxRowTile <= num_rows; r += kMaxRowTile) {
-        tile<BITS, kMaxRowTile>(codes, d, m, a, r, out, ldy, width, bias);
+        tile<BITS, kMaxRowTile, S>(codes, d, m, a, r, out, ldy, width, bias);
       }
       switch (num_rows - r) {
-        case 7: tile<BITS, 7>(codes, d, m, a, r, out, ldy, width, bias); break;
-        case 6: tile<BITS, 6>(codes, d, m, a, r, out, ldy, width, bias); break;
-        case 5: tile<BITS, 5>(codes, d, m, a, r, out, ldy, width, bias); break;
-        case 4: tile<BITS, 4>(codes, d, m, a, r, out, ldy, width, bias); break;
-        case 3: tile<BITS, 3>(codes, d, m, a, r, out, ldy, width, bias); break;
-        case 2: tile<BITS, 2>(codes, d, m, a, r, out, ldy, width, bias); break;
-        case 1: tile<BITS, 1>(codes, d, m, a, r, out, ldy, width, bias); break;
+        case 7: tile<BITS, 7, S>(codes, d, m, a, r, out, ldy, width, bias); break;
+        case 6: tile<BITS, 6, S>(codes, d, m, a, r, out, ldy, width, bias); break;
+        case 5: tile<BITS, 5, S>(codes, d, m, a, r, out, ldy, width, bias); break;
+        case 4: tile<BITS, 4, S>(codes, d, m, a, r, out, ldy, width, bias); break;
+        case 3: tile<BITS, 3, S>(codes, d, m, a, r, out, ldy, width, bias); break;
+        case 2: tile<BITS, 2, S>(codes, d, m, a, r, out, ldy, width, bias); break;
+        case 1: tile<BITS, 1, S>(codes, d, m, a, r, out, ldy, width, bias); break;
         default: break;
       }
     }
@@ -222,10 +245,13 @@ QuantizedMatrix matrix(const at::Tensor& codes, const at::Tensor& d, const at::T
                   rows <= tiles * kTile,
               "tandem_cpu: codes ", codes.sizes(), " do not hold ", rows, " rows of ", bits,
               "-bit codes");
+  const bool half = d.scalar_type() == at::kHalf;
   for (const at::Tensor* t : {&d, &m}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() &&
+    TORCH_CHECK((t->scalar_type() == at::kFloat || t->scalar_type() == at::kHalf) &&
+                    t->scalar_type() == d.scalar_type() && t->is_contiguous() &&
                     t->numel() == tiles * groups * kTile,
-                "tandem_cpu: scales and offsets must be contiguous float32 [N / 16, G, 16]");
+                "tandem_cpu: scales and offsets must be contiguous float32 or float16 (both "
+                "alike) [N / 16, G, 16]");
   }
   const float* b = nullptr;
   if (bias.has_value()) {
@@ -234,8 +260,8 @@ QuantizedMatrix matrix(const at::Tensor& codes, const at::Tensor& d, const at::T
                 "tandem_cpu: bias must be contiguous float32 [N]");
     b = bias->data_ptr<float>();
   }
-  return {codes.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), b, rows,
-          groups * G, static_cast<int>(bits)};
+  return {codes.data_ptr<uint8_t>(), d.data_ptr(), m.data_ptr(), b, rows, groups * G,
+          static_cast<int>(bits), half};
 }
 
 void linear(const QuantizedMatrix& w, const float* x, int64_t num_rows, int64_t k, float* y,
@@ -263,10 +289,12 @@ void linear(const QuantizedMatrix& w, const float* x, int64_t num_rows, int64_t 
     }
   });
   const Activations a{p, dx, sx, w.kp};
-  if (w.bits == 4) {
-    matmul<4>(w, a, num_rows, y, ldy);
+  if (w.half) {
+    w.bits == 4 ? matmul<4, uint16_t>(w, a, num_rows, y, ldy)
+                : matmul<8, uint16_t>(w, a, num_rows, y, ldy);
   } else {
-    matmul<8>(w, a, num_rows, y, ldy);
+    w.bits == 4 ? matmul<4, float>(w, a, num_rows, y, ldy)
+                : matmul<8, float>(w, a, num_rows, y, ldy);
   }
 #else
   TORCH_CHECK(false, "tandem_cpu: built without AVX2 and FMA");
@@ -289,6 +317,44 @@ void linear_out(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
   linear(w, x.data_ptr<float>(), x.size(0), x.size(1), y.data_ptr<float>(), y.stride(0));
 }
 
+// out [R, k] float32: rows `index` of the matrix, each value d q + m as a float32 product then
+// a sum (QuantizedWeight.dequantize's order): a token embedding read from its tied LM head's
+// tiles, no second copy of the table.
+at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
+                           int64_t bits, int64_t rows, int64_t k, const at::Tensor& index) {
+  const QuantizedMatrix w = matrix(codes, d, m, bits, rows, {});
+  TORCH_CHECK(index.scalar_type() == at::kLong && index.dim() == 1 && index.is_contiguous(),
+              "tandem_cpu: index must be contiguous int64 [R]");
+  TORCH_CHECK(k <= w.kp && w.kp - k < G, "tandem_cpu: k ", k, " for a weight padded to ", w.kp);
+  const int64_t* ids = index.data_ptr<int64_t>();
+  for (int64_t r = 0; r < index.numel(); ++r) {
+    TORCH_CHECK(ids[r] >= 0 && ids[r] < rows, "tandem_cpu: row ", ids[r], " is not in [0, ",
+                rows, ")");
+  }
+  at::Tensor out = at::empty({index.numel(), k}, d.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  const int64_t groups = w.kp / G, unit = bits == 4 ? 256 : 512;
+  auto param = [&](const void* p, int64_t i) {
+    return w.half ? _cvtsh_ss(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+  };
+  at::parallel_for(0, index.numel(), 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t tile = ids[r] / kTile, lane = ids[r] % kTile;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t at = (tile * groups + g) * kTile + lane;
+        const float scale = param(w.d, at), offset = param(w.m, at);
+        const uint8_t* u = w.codes + (tile * groups + g) * unit;
+        for (int64_t i = 0; i < G && g * G + i < k; ++i) {
+          const int64_t c = i / 4, b = 4 * lane + i % 4;  // chunk, byte within it
+          const int q = bits == 8 ? u[64 * c + b] : (u[64 * (c % 4) + b] >> (4 * (c / 4))) & 15;
+          o[r * k + g * G + i] = static_cast<float>(q) * scale + offset;
+        }
+      }
+    }
+  });
+  return out;
+}
+
 std::string isa() { return kIsa; }
 
 }  // namespace
@@ -296,6 +362,10 @@ std::string isa() { return kIsa; }
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, lib) {
   lib.def("isa() -> str", &tandem::isa);
+  lib.def(
+      "dequantize_rows(Tensor codes, Tensor d, Tensor m, int bits, int rows, int k, "
+      "Tensor index) -> Tensor",
+      &tandem::dequantize_rows);
   lib.def(
       "linear_out(Tensor x, Tensor codes, Tensor d, Tensor m, int bits, Tensor? bias, "
       "Tensor(a!) y) -> ()",

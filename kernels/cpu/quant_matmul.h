@@ -10,12 +10,13 @@ namespace tandem {
 
 struct QuantizedMatrix {
   const uint8_t* codes;  // [rows / 16 tiles, kp / 32 groups, 256 (4 bits) or 512 (8 bits)]
-  const float* d;        // [rows / 16, kp / 32, 16]
-  const float* m;        // [rows / 16, kp / 32, 16]
+  const void* d;         // [rows / 16, kp / 32, 16] float32, or float16 where `half`
+  const void* m;         // [rows / 16, kp / 32, 16], as d
   const float* bias;     // [rows] or null
   int64_t rows;
   int64_t kp;  // inputs, padded to a multiple of 32
   int bits;
+  bool half;
 };
 
 // Checks the tensors' shapes and types and views them (no copy).

@@ -155,6 +155,25 @@ def test_a_rows_result_does_not_depend_on_its_batch(backend):
             assert torch.equal(part, full[start : start + n]), (n, start)
 
 
+@pytest.mark.skipif(not tandem_kernel_available(), reason="no C++ kernel")
+def test_float16_parameters_where_exact_and_the_same_bits_as_float32():
+    """Scales and offsets all exact in float16 (a GGUF's Q4_0/Q4_1/Q8_0 blocks) are held so;
+    any that is not (random float32 ones here, Q4_K's products) keeps the whole matrix in
+    float32. The kernel's results are the same bits either way."""
+    g = torch.Generator().manual_seed(4)
+    wide = QuantizedWeight.quantize(torch.randn(48, 96, generator=g) * 0.1, 4)
+    narrow = QuantizedWeight(wide.codes, wide.scales.half().float(), wide.offsets.half().float(), 4)
+    assert QuantizedLinear(wide, None, backend="tandem").scales.dtype == torch.float32
+    layer = QuantizedLinear(narrow, None, backend="tandem")
+    assert layer.scales.dtype == layer.offsets.dtype == torch.float16
+    x = torch.randn(5, 96, generator=g)
+    y = torch.empty(5, 48)
+    torch.ops.tandem_cpu.linear_out(
+        x, layer.codes, layer.scales.float(), layer.offsets.float(), 4, None, y
+    )
+    assert torch.equal(layer(x), y) and torch.equal(y, reference_matmul(x, narrow, "tandem"))
+
+
 ISA_CHECK = """
 import sys, torch
 from engine.models.quantized import QuantizedLinear, QuantizedWeight, reference_matmul
@@ -259,6 +278,12 @@ def test_gguf_weights_equal_transformers_dequantized_checkpoint():
     assert isinstance(model.embed_tokens.format, QuantizedEmbedding)
     rows = torch.arange(7, 4000, 37)
     torch.testing.assert_close(model.embed_tokens(rows), embedding[rows])
+    # tied: the embedding reads the LM head's tiles (one copy of the table), bit for bit the
+    # block's own values
+    if tandem_kernel_available():
+        assert model.embed_tokens.format.tiles[0] is model.lm_head.format.codes
+    embed = GGUFWeights(gguf_file(path)).quantized("token_embd.weight")
+    assert torch.equal(model.embed_tokens(rows), embed.dequantize()[rows])
 
 
 @pytest.fixture(scope="module")
