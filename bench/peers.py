@@ -213,43 +213,6 @@ def rss_model(name: str) -> str:
     return name
 
 
-def precision_table(bin_dir: Path | None, repeats: int) -> None:
-    """Batch-1 decode tok/s (1 thread, 128 tokens) per installed embedded model: the engine's
-    GGUF blocks, its fp32 weights and llama.cpp on the same file, alternated."""
-    from engine import LLM
-    from engine.models.loader import gguf_file
-    from engine.models.registry import EMBEDDED_MODELS, ModelNotFoundError, resolve_model
-
-    print("| model | engine, GGUF blocks | engine, fp32 | llama.cpp | blocks / llama.cpp |")
-    print("|---|---|---|---|---|")
-    for name in EMBEDDED_MODELS:
-        try:
-            gguf = gguf_file(resolve_model(name, dense=False))
-        except ModelNotFoundError:
-            continue
-        llms = {
-            q: LLM(name, quantization=q, num_threads=1, enable_prefix_caching=False)
-            for q in ("auto", None)
-        }
-        chat = llms["auto"].apply_chat_template([{"role": "user", "content": CHATS[0]}])
-        rates = {"auto": [], None: [], "llama": []}
-        for llm in llms.values():
-            engine_decode(llm, chat)  # warm-up
-        for _ in range(repeats):
-            for q, llm in llms.items():
-                rates[q].append(engine_decode(llm, chat)[0])
-            if bin_dir:
-                rates["llama"].append(llama_decode(bin_dir, gguf, 1))
-        med = {k: statistics.median(v) if v else float("nan") for k, v in rates.items()}
-        print(
-            f"| {name} ({gguf.stat().st_size / 1e6:.0f} MB) | {spread(rates['auto'])} | "
-            f"{spread(rates[None])} | {spread(rates['llama']) if bin_dir else '-'} | "
-            f"{med['auto'] / med['llama']:.2f}x |",
-            flush=True,
-        )
-        del llms
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--llama-cpp", help="directory with llama-bench and llama-batched-bench")
@@ -260,7 +223,10 @@ def main(argv: list[str] | None = None) -> int:
         help="model whose resident memory after load is measured (SmolLM2 when not installed)",
     )
     ap.add_argument(
-        "--table", action="store_true", help="only the per-model decode table (1 thread)"
+        "--table",
+        action="store_true",
+        help="only the per-model table: decode and prompt against llama.cpp, 1 and 2 threads, "
+        "bandwidth, memory (bench/peer_table.py)",
     )
     args = ap.parse_args(argv)
     from engine.models.loader import gguf_file
@@ -269,7 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     gguf = gguf_file(resolve_model(MODEL, dense=False))
     bin_dir = llama_cpp_dir(args.llama_cpp)
     if args.table:
-        precision_table(bin_dir, args.repeats)
+        from bench.peer_table import print_table
+
+        print(f"CPU: {cpu_summary()}")
+        result = print_table(bin_dir, args.repeats)
+        print("RESULT " + " ".join(f"{k}={v:.2f}" for k, v in result.items()))
         return 0
     print(f"CPU: {cpu_summary()}")
     print(f"model {MODEL}: {gguf.name} ({gguf.stat().st_size / 1e6:.1f} MB)")
