@@ -57,6 +57,13 @@ def weight_bytes(model) -> int:
     return total
 
 
+def decode_prompt(llm) -> list[int]:
+    """A chat prompt, or the text itself for a model without a chat template (Gemma 3 270M)."""
+    if llm.tokenizer.chat_template:
+        return llm.apply_chat_template([{"role": "user", "content": CHATS[0]}])
+    return llm.tokenizer.encode(CHATS[0])
+
+
 def engine_prompt(llm, prompt: list[int]) -> float:
     from engine import SamplingParams
 
@@ -79,7 +86,7 @@ def model_rows(name: str, gguf: Path, bin_dir: Path | None, repeats: int) -> lis
     rows = []
     for threads in (1, 2):
         llm = LLM(name, num_threads=threads, enable_prefix_caching=False)
-        chat = llm.apply_chat_template([{"role": "user", "content": CHATS[0]}])
+        chat = decode_prompt(llm)
         g = torch.Generator().manual_seed(0)
         prompt = torch.randint(100, 20000, (PROMPT_TOKENS,), generator=g).tolist()
         got = {"decode": [], "prompt": [], "llama_decode": [], "llama_prompt": []}

@@ -43,14 +43,18 @@ class Backend:
         flat: FlatInputs,
         slot_mapping: torch.Tensor,
         block_size: int,
-        sliding_window: int | None,
+        windows: tuple[int | None, ...],
         rows: bool,
-    ) -> AttentionMetadata:
-        """rows: the model's layers run on the C++ kernels (engine.models.llama.LlamaDecoderLayer.
-        fuse), whose attention takes every row on its own (RowAttention), whatever the
-        backend."""
+    ) -> AttentionMetadata | dict[int | None, AttentionMetadata]:
+        """windows: the layers' attention windows (ModelConfig.windows); several give a layout
+        per window. rows: the model's layers run on the C++ kernels (the layers' fuse), whose
+        attention takes every row on its own (RowAttention) with each layer's window."""
         args = (flat.seq_lens, flat.query_lens, flat.tables, slot_mapping, block_size)
-        return row_metadata(*args) if rows else self.layout(*args, sliding_window)
+        if rows:
+            return row_metadata(*args)
+        if len(windows) == 1:
+            return self.layout(*args, windows[0])
+        return {w: self.layout(*args, w) for w in windows}
 
 
 TORCH = Backend(

@@ -279,7 +279,7 @@ class ModelRunner:
         inputs still on the device (async scheduling)."""
         slots = host_tensor(flat.slots)
         rows = self.model.fused_layers
-        meta = self.backend.metadata(flat, slots, self.block_size, self.cfg.sliding_window, rows)
+        meta = self.backend.metadata(flat, slots, self.block_size, self.cfg.windows, rows)
         ids, pos = host_tensor(flat.input_ids), host_tensor(flat.positions)
         ids, pos, meta, lora = to_device((ids, pos, meta, lora), self.device)
         if pending is not None:

@@ -1,5 +1,5 @@
-"""Tiny random HF checkpoints (Llama / Qwen2 / Qwen3 / Mistral) with a byte-level tokenizer, and
-PEFT adapters for them, for tests.
+"""Tiny random HF checkpoints (Llama / Qwen2 / Qwen3 / Gemma 3 / Mistral) with a byte-level
+tokenizer, and PEFT adapters for them, for tests.
 
 Weights are drawn with a large std so logits are peaked: argmax ties cannot flip between our
 kernels and HF's, which makes exact token-id parity a fair test.
@@ -13,6 +13,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     PreTrainedTokenizerFast,
@@ -57,6 +58,7 @@ def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, std: float =
         "llama": LlamaConfig,
         "qwen2": Qwen2Config,
         "qwen3": Qwen3Config,
+        "gemma3": Gemma3TextConfig,
         "mistral": MistralConfig,
     }[arch]
     if arch == "qwen2":

@@ -18,7 +18,10 @@ MODULES = {
     "mistral": "engine.models.llama",
     "qwen2": "engine.models.llama",
     "qwen3": "engine.models.qwen3",
+    "gemma3_text": "engine.models.gemma3",
 }
+# A GGUF's general.architecture -> the model_type transformers reads it as.
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 
 # A weight map yields (module name, tensors...) for CausalLM.load_weight: a Linear's (weight,
 # bias or None), a norm's or the embedding's (weight,), the LM head's (weight or None: tied).
@@ -28,7 +31,7 @@ WeightMap = Iterator[tuple]
 @dataclass(frozen=True)
 class Architecture:
     config: Callable  # (HF PretrainedConfig) -> engine.models.config.ModelConfig
-    build: Callable  # (ModelConfig, RotaryTables, Parallel) -> engine.models.causal_lm.CausalLM
+    build: Callable  # (ModelConfig, HF config, max_len, Parallel) -> models.causal_lm.CausalLM
     hf_weights: Callable[..., WeightMap]  # (ModelConfig, Checkpoint)
     gguf_weights: Callable[..., WeightMap]  # (ModelConfig, engine.models.gguf_loader.GGUFWeights)
 

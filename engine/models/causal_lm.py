@@ -23,14 +23,15 @@ if TYPE_CHECKING:
 
 class CausalLM(nn.Module):
     """layers: the architecture's decoder layers, each called as
-    layer(x, cos, sin, kv_cache, meta, lora) -> x, and answering fuse() (whether it runs on
-    the C++ kernels). Its submodules load by name (`load_weight`)."""
+    layer(x, cos, sin, kv_cache, meta, lora) -> x, and answering fuse() (whether its rows can
+    run on the C++ kernels); rotary: RoPE tables by name, a layer's `rope` naming its own
+    (default "global"). Its submodules load by name (`load_weight`)."""
 
     def __init__(
         self,
         cfg: ModelConfig,
         layers: list[nn.Module],
-        rotary: RotaryTables,
+        rotary: RotaryTables | dict[str, RotaryTables],
         parallel: Parallel = ONE_RANK,
     ):
         super().__init__()
@@ -39,7 +40,13 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = LMHead(parallel)
-        self.rotary = rotary
+        self.rotary = nn.ModuleDict(rotary if isinstance(rotary, dict) else {"global": rotary})
+        # (a float32 tensor, as HF multiplies Gemma's embedding rows)
+        self.register_buffer(
+            "embed_scale",
+            None if cfg.embed_scale is None else torch.tensor(cfg.embed_scale),
+            persistent=False,
+        )
         self.fused_layers = False  # every layer runs on the C++ kernels (fuse)
 
     def forward(
@@ -51,9 +58,11 @@ class CausalLM(nn.Module):
         lora: LoRABatch | None = None,
     ) -> torch.Tensor:  # [N, hidden]
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale.to(x.dtype)
+        tables = {name: rotary(positions) for name, rotary in self.rotary.items()}  # cos, sin
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_caches[i], meta, lora)
+            x = layer(x, *tables[getattr(layer, "rope", "global")], kv_caches[i], meta, lora)
         return self.norm(x, rows=isinstance(meta, RowAttention))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, vocab rows]

@@ -24,6 +24,19 @@ class ModelConfig:
     sliding_window: int | None
     hidden_act: str
     qk_norm: bool = False  # an RMSNorm over each query and key head before RoPE (Qwen3)
+    attn_scale: float | None = None  # the scores' scale; None: head_dim ** -0.5
+    layer_windows: tuple[int, ...] | None = None  # each layer's window (0: all); None: all alike
+    embed_scale: float | None = None  # the embedding's rows multiplied by it (Gemma: sqrt(hidden))
+
+    def window_of(self, layer: int) -> int | None:
+        if self.layer_windows is None:
+            return self.sliding_window
+        return self.layer_windows[layer] or None
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """The distinct attention windows of the layers (None: the whole context)."""
+        return tuple(sorted({self.window_of(i) for i in range(self.num_layers)}, key=str))
 
     def kv_bytes_per_block(self, block_size: int, element_bytes: int = 4) -> int:
         """One KV block's bytes: K and V of every layer and KV head, block_size positions."""

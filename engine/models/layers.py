@@ -124,6 +124,31 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
+
+
+def rope_parameters(hf_config, head_dim: int, layer_type: str | None = None):
+    """inv_freq [head_dim // 2] and the cos/sin scaling, via transformers' own RoPE functions;
+    layer_type: a model whose layer types have RoPE parameters of their own (Gemma 3)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if layer_type is not None:
+        params = params[layer_type]
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rope_type {rope_type!r} is not supported; supported: {sorted(SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        return inv_freq, 1.0
+    kwargs = {} if layer_type is None else {"layer_type": layer_type}
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu", **kwargs)
+    return inv_freq.float(), float(scaling)
+
+
 class RotaryTables(nn.Module):
     """cos and sin for every position up to max_len ([max_len, D]) from inv_freq [D / 2]."""
 
@@ -133,6 +158,10 @@ class RotaryTables(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    @classmethod
+    def of(cls, hf_config, head_dim: int, max_len: int, layer_type: str | None = None):
+        return cls(*rope_parameters(hf_config, head_dim, layer_type), max_len)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [N, 1, D]
@@ -150,8 +179,8 @@ class Attention(nn.Module):
             d,
         )
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
-        self.scale = d**-0.5
-        self.window = cfg.sliding_window or 0
+        self.scale = cfg.attn_scale or d**-0.5
+        self.window = cfg.window_of(index) or 0  # 0: the whole context
         q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
         self.qkv_proj = Linear(
             cfg.hidden_size, q + 2 * kv, cfg.qkv_bias, "column", [q, kv, kv], parallel,
@@ -196,16 +225,20 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             v = v.view(n, self.num_kv_heads, self.head_dim)
+            if isinstance(meta, dict):  # layers with windows of their own: a layout each
+                meta = meta[self.window or None]
             attn = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale)
             attn = attn.reshape(n, self.q_size)
         return self.o_proj(attn, lora)
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(h)) * up(h)), gate and up fused into one projection."""
+    """down(act(gate(h)) * up(h)), gate and up fused into one projection; act: silu, or GELU's
+    tanh approximation (cfg.hidden_act "gelu_tanh")."""
 
     def __init__(self, cfg: ModelConfig, index: int, parallel: Parallel = ONE_RANK):
         super().__init__()
+        self.gelu = cfg.hidden_act == "gelu_tanh"
         hidden, inter = cfg.hidden_size, cfg.intermediate_size
         self.gate_up_proj = Linear(
             hidden, 2 * inter, cfg.mlp_bias, "column", [inter, inter], parallel, (index, "gate_up")
@@ -215,10 +248,11 @@ class GatedMLP(nn.Module):
     def forward(self, h: torch.Tensor, rows: bool, lora: LoRABatch | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(h, lora)  # [N, 2 inter]
         if rows:
-            act = torch.ops.tandem_cpu.silu_mul(gate_up)
+            ops = torch.ops.tandem_cpu
+            act = ops.gelu_tanh_mul(gate_up) if self.gelu else ops.silu_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate) * up
+            act = (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up
         return self.down_proj(act, lora)
 
 

@@ -96,9 +96,9 @@ class LlamaDecoderLayer(nn.Module):
         return x
 
 
-def build(cfg: ModelConfig, rotary: RotaryTables, parallel: Parallel) -> CausalLM:
+def build(cfg: ModelConfig, hf, max_len: int, parallel: Parallel) -> CausalLM:
     layers = [LlamaDecoderLayer(cfg, i, parallel) for i in range(cfg.num_layers)]
-    return CausalLM(cfg, layers, rotary, parallel)
+    return CausalLM(cfg, layers, RotaryTables.of(hf, cfg.head_dim, max_len), parallel)
 
 
 def hf_weights(cfg: ModelConfig, ckpt: Checkpoint) -> WeightMap:

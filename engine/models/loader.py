@@ -18,32 +18,10 @@ from engine.models.architectures import Checkpoint, architecture
 from engine.models.causal_lm import CausalLM
 from engine.models.config import ModelConfig
 from engine.models.gguf_loader import GGUFWeights
-from engine.models.layers import RotaryTables
 from engine.models.parallel import Parallel, local_config
 from engine.models.quant import int8_linear_available
 from engine.models.registry import resolve_model
 from engine.models.weights import onednn_linear_available
-
-SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
-
-
-def rope_parameters(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
-    """inv_freq [head_dim // 2] and the cos/sin scaling, via transformers' own RoPE functions."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", "default")
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(
-            f"rope_type {rope_type!r} is not supported; supported: {sorted(SUPPORTED_ROPE_TYPES)}"
-        )
-    if rope_type == "default":
-        base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-        dim = head_dim
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        return inv_freq, 1.0
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
-    return inv_freq.float(), float(scaling)
 
 
 def _safetensor_files(path: Path) -> list[Path]:
@@ -139,9 +117,8 @@ def load_model(
     hf_config = AutoConfig.from_pretrained(str(path))
     arch = architecture(hf_config.model_type)
     cfg = arch.config(hf_config)
-    inv_freq, scaling = rope_parameters(hf_config, cfg.head_dim)
-    rotary = RotaryTables(inv_freq, scaling, max_len or cfg.max_position_embeddings)
-    model = arch.build(cfg, rotary, Parallel.of(group)).eval()
+    model = arch.build(cfg, hf_config, max_len or cfg.max_position_embeddings, Parallel.of(group))
+    model = model.eval()
     if quantization == "gguf":
         source = gguf_file(path)
         if source is None:

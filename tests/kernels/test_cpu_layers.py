@@ -131,7 +131,7 @@ def test_fused_layer_equals_its_pieces_composed(tmp_path, arch):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, model.config.hidden_size, generator=g)
     positions = meta.seq_lens - 1
-    cos, sin = model.rotary(positions)
+    cos, sin = model.rotary["global"](positions)
     caches = torch.randn_like(llm.engine.runner.kv_caches[0])
     fused_cache, composed_cache = caches.clone(), caches.clone()
     fused = layer(x.clone(), cos, sin, fused_cache, meta)
