@@ -16,7 +16,7 @@ quoting figures that go stale. Each pair is the choice against what it replaced,
   3 KV, dim 64; 8 requests, 1 query each) at a 16-token and a 1040-token context: the cost of
   one padded key slot is the slope, a bucket's fixed cost the short one, and their ratio is
   what engine.attention.BUCKET_OVERHEAD_SLOTS should be near;
-- packed: `engine.models.llama.packed_linear` (oneDNN's blocked weights) against `F.linear`
+- packed: `engine.models.layers.Packed` (oneDNN's blocked weights) against `F.linear`
   (MKL), SmolLM2's four projections of one layer at 12 rows (a decode batch);
 - head_1_row / head_5_rows: the LM head (SmolLM2's [49152, 576]) at one row in `F.linear`'s
   gemv against the packed GEMM, and at five rows the other way round (one row is reported, not
@@ -140,8 +140,8 @@ def model_pairs() -> tuple[dict[str, dict[str, Callable[[], Run]]], list[str]]:
     import xgrammar as xgr
 
     from engine.grammar.matcher import apply_bitmask
+    from engine.models.layers import Packed
     from engine.models.quant import linear_int8, pack_int8
-    from engine.models.weights import packed_linear
 
     gen = torch.Generator().manual_seed(1)
 
@@ -150,12 +150,12 @@ def model_pairs() -> tuple[dict[str, dict[str, Callable[[], Run]]], list[str]]:
 
     # SmolLM2's four projections of one layer ([out, in]): qkv, o, gate_up, down
     layer = [weight(960, 576), weight(576, 576), weight(3072, 576), weight(576, 1536)]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in layer]
+    packed = [Packed(w, None) for w in layer]
     xs = [torch.randn(12, w.shape[1], generator=gen) for w in layer]  # 12 decode rows
     pairs_packed = list(zip(xs, packed, strict=True))
     pairs_dense = list(zip(xs, layer, strict=True))
     head = weight(49152, 576)
-    head_packed = torch.ops.mkldnn._reorder_linear_weight(head, None)
+    head_packed = Packed(head, None)
     h1, h5 = torch.randn(1, 576, generator=gen), torch.randn(5, 576, generator=gen)
     draft = weight(9728, 896)  # Qwen2.5-0.5B's gate_up, the draft model's widest
     draft_int8, x1 = pack_int8(draft, None), torch.randn(1, 896, generator=gen)
@@ -178,22 +178,22 @@ def model_pairs() -> tuple[dict[str, dict[str, Callable[[], Run]]], list[str]]:
 
     same = {
         "packed": all(
-            torch.allclose(packed_linear(x, p, None), F.linear(x, w), rtol=1e-4, atol=1e-4)
+            torch.allclose(p(x), F.linear(x, w), rtol=1e-4, atol=1e-4)
             for x, p, w in zip(xs, packed, layer, strict=True)
         ),
         "bitmask": torch.equal(ours_mask(), xgrammar_mask()),
     }
     modes = {
         "packed": {
-            "ours": per_call(lambda: [packed_linear(x, p, None) for x, p in pairs_packed], 20),
+            "ours": per_call(lambda: [p(x) for x, p in pairs_packed], 20),
             "F.linear": per_call(lambda: [F.linear(x, w) for x, w in pairs_dense], 20),
         },
         "head_1_row": {
             "ours": per_call(lambda: F.linear(h1, head), 20),
-            "packed": per_call(lambda: packed_linear(h1, head_packed, None), 20),
+            "packed": per_call(lambda: head_packed(h1), 20),
         },
         "head_5_rows": {
-            "ours": per_call(lambda: packed_linear(h5, head_packed, None), 20),
+            "ours": per_call(lambda: head_packed(h5), 20),
             "F.linear": per_call(lambda: F.linear(h5, head), 20),
         },
         "int8": {

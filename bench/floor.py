@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                 x = torch.randn(rows, width)
                 layers += best_seconds(lambda proj=proj, x=x: proj(x), repeats)
             h = torch.randn(rows, cfg.hidden_size)
-            head = best_seconds(lambda: model.compute_logits(h), repeats)
+            head = best_seconds(lambda: model.lm_head(h), repeats)
             cache[rows] = (layers * cfg.num_layers, head)
         return cache[rows]
 

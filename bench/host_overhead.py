@@ -111,7 +111,7 @@ def tandem_host(path: Path, batch: int, kind) -> tuple[float, list[list[int]]]:
     )
     clock = ModelClock()
     clock.wrap(engine.runner.model, "forward")
-    clock.wrap(engine.runner.model, "compute_logits")
+    clock.wrap(engine.runner.model.lm_head, "forward")
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, output_kind=kind)
     for i, p in enumerate(prompts(batch)):
         engine.add_request(str(i), p, params)

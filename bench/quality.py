@@ -75,7 +75,7 @@ def teacher_forced_decode(llm: LLM, token_ids: list[int], prefill: int) -> Score
             flat, torch.tensor(slots), bs, runner.cfg.windows, model.fused_layers
         )  # the layout the engine's own steps get
         hidden = model(torch.tensor(tokens), torch.tensor(positions), runner.kv_caches, meta)[-1:]
-        return model.compute_logits(hidden)[0, : runner.cfg.vocab_size].float().log_softmax(-1)
+        return model.lm_head(hidden)[0, : runner.cfg.vocab_size].float().log_softmax(-1)
 
     logprobs, top1 = [], []
     with torch.inference_mode():

@@ -194,6 +194,7 @@ class ModelRunner:
     ):
         self.model = model
         self.cfg = cfg
+        self.windows = cfg.windows  # the layers' distinct attention windows
         self.block_size = block_size
         self.backend = backend  # the torch references or the Triton kernels
         weight = model.norm.weight  # (packed or quantized layers keep no dense weight)
@@ -279,7 +280,7 @@ class ModelRunner:
         inputs still on the device (async scheduling)."""
         slots = host_tensor(flat.slots)
         rows = self.model.fused_layers
-        meta = self.backend.metadata(flat, slots, self.block_size, self.cfg.windows, rows)
+        meta = self.backend.metadata(flat, slots, self.block_size, self.windows, rows)
         ids, pos = host_tensor(flat.input_ids), host_tensor(flat.positions)
         ids, pos, meta, lora = to_device((ids, pos, meta, lora), self.device)
         if pending is not None:
@@ -293,7 +294,7 @@ class ModelRunner:
             hidden = hidden[to_device(host_tensor(rows), self.device)]
         if self.workers is not None:  # their shares of the vocabulary, for the same rows
             self.workers.logits(rows)
-        return self.model.compute_logits(hidden)[:, : self.cfg.vocab_size]
+        return self.model.lm_head(hidden)[:, : self.cfg.vocab_size]
 
     def _token_slots(self, items: list[ForwardItem]) -> list[int] | None:
         """Each token row's adapter slot (0: none), the step's adapters made resident; None

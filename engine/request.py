@@ -146,7 +146,7 @@ class Request(TokenHistory):
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status >= RequestStatus.FINISHED_STOPPED
 
     def generator_on(self, device: torch.device) -> torch.Generator | None:
         """This request's own generator on device (None when unseeded): `generator` on CPU,

@@ -26,9 +26,13 @@ if TYPE_CHECKING:
     from engine.models.config import ModelConfig
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Checkpoints that store projections fused (Phi-3): their adapters' B rows split into the
+# projections above (x A B = [x A B_q, x A B_k, x A B_v]: the same update).
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\."
-    r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.lora_([AB])(?:\.default)?\.weight$"
+    r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|qkv_proj|gate_up_proj)"
+    r"\.lora_([AB])(?:\.default)?\.weight$"
 )
 # Config fields that change what the adapter computes in ways we do not implement.
 _UNSUPPORTED = {
@@ -146,6 +150,7 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> LoRAA
         raise bad(f"adapter_model.safetensors cannot be read ({e})") from None
 
     shapes = projection_shapes(cfg)
+    shapes |= {f: (shapes[ps[0]][0], sum(shapes[p][1] for p in ps)) for f, ps in FUSED.items()}
     weights, rank = {}, 0
     for (layer, proj), pair in sorted(halves.items()):
         if set(pair) != {"A", "B"}:
@@ -164,7 +169,12 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> LoRAA
             raise bad(f"rank {r} at layers.{layer}.{proj} exceeds max_lora_rank={max_rank}")
         alpha = _alpha(config, f"model.layers.{layer}.{proj}")
         scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
-        weights[(layer, proj)] = (a.t().contiguous(), (b.t() * scale).contiguous())
+        parts = FUSED.get(proj, (proj,))
+        rows = b.split([shapes[p][1] for p in parts])  # [out of each part, r]
+        for part, b_part in zip(parts, rows, strict=True):
+            if (layer, part) in weights:
+                raise bad(f"layers.{layer}.{part} is adapted twice (fused and on its own)")
+            weights[(layer, part)] = (a.t().contiguous(), (b_part.t() * scale).contiguous())
         rank = max(rank, r)
     if not weights:
         raise bad("no LoRA weights found")

@@ -36,12 +36,9 @@ class Speculation:
         self._by_request: WeakKeyDictionary[Request, SpecStats] = WeakKeyDictionary()
         self.wanted: dict[Request, int] = {}  # the last plan's draft slots per request
         self._forced: dict[Request, list[int]] = {}  # the last plan's forced tokens
-
-    @property
-    def active(self) -> bool:
-        """Whether steps carry drafts at all (a proposer, or forced tokens): the engine plans,
-        proposes and accounts only then."""
-        return self.proposer is not None or self.forced_tokens is not None
+        # Whether steps carry drafts at all (a proposer, or forced tokens): the engine plans,
+        # proposes and accounts only then.
+        self.active = proposer is not None
 
     def use_grammar(self, grammar, forced_tokens: bool) -> None:
         """A grammar now constrains some requests: the draft model proposes only what it allows;
@@ -49,7 +46,11 @@ class Speculation:
         if isinstance(self.proposer, DraftModelProposer):
             self.proposer.logits_masker = grammar.mask
         if forced_tokens and self.forced_tokens is None:
-            self.forced_tokens = grammar
+            self.force_with(grammar)
+
+    def force_with(self, forcer: ForcedTokens) -> None:
+        """Tokens `forcer` knows ride in the draft slots from now on."""
+        self.forced_tokens, self.active = forcer, True
 
     def of(self, request: Request) -> SpecStats:
         """The request's own counters."""

@@ -1,4 +1,4 @@
-"""Tiny random HF checkpoints (Llama / Qwen2 / Qwen3 / Gemma 3 / Mistral) with a byte-level
+"""Tiny random HF checkpoints (Llama / Qwen2 / Qwen3 / Gemma 3 / Mistral / Phi-3) with a byte-level
 tokenizer, and PEFT adapters for them, for tests.
 
 Weights are drawn with a large std so logits are peaked: argmax ties cannot flip between our
@@ -16,6 +16,7 @@ from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
@@ -60,6 +61,7 @@ def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, std: float =
         "qwen3": Qwen3Config,
         "gemma3": Gemma3TextConfig,
         "mistral": MistralConfig,
+        "phi3": Phi3Config,
     }[arch]
     if arch == "qwen2":
         common.setdefault("tie_word_embeddings", False)
@@ -113,3 +115,15 @@ def make_adapter(base: Path, out: Path, seed: int, rank: int, targets, extra: di
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
     peft_model.save_pretrained(str(out))
     return out
+
+
+def prompt_scores(llm, seqs: list[list[int]]) -> list[torch.Tensor]:
+    """Each sequence's log-probability of its own next token at every position (the engine's
+    prompt logprobs): [len - 1] per sequence."""
+    from engine import SamplingParams
+
+    outs = llm.generate(seqs, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    return [
+        torch.tensor([lp[t].logprob for t, lp in zip(s[1:], o.prompt_logprobs[1:], strict=True)])
+        for s, o in zip(seqs, outs, strict=True)
+    ]

@@ -163,7 +163,7 @@ class Workers:
 
     def logits(self, rows: list[int] | None) -> None:
         """The workers compute their share of the logits of the last forward's hidden rows
-        `rows` (None: all), for the gather rank 0's compute_logits then does."""
+        `rows` (None: all), for the gather rank 0's LM head then does."""
         self._checked(lambda: self.group.broadcast(("logits", rows)))
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

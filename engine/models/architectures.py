@@ -19,6 +19,7 @@ MODULES = {
     "qwen2": "engine.models.llama",
     "qwen3": "engine.models.qwen3",
     "gemma3_text": "engine.models.gemma3",
+    "phi3": "engine.models.phi3",
 }
 # A GGUF's general.architecture -> the model_type transformers reads it as.
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
@@ -31,7 +32,7 @@ WeightMap = Iterator[tuple]
 @dataclass(frozen=True)
 class Architecture:
     config: Callable  # (HF PretrainedConfig) -> engine.models.config.ModelConfig
-    build: Callable  # (ModelConfig, HF config, max_len, Parallel) -> models.causal_lm.CausalLM
+    build: Callable  # (ModelConfig, HF config, context, Parallel) -> models.causal_lm.CausalLM
     hf_weights: Callable[..., WeightMap]  # (ModelConfig, Checkpoint)
     gguf_weights: Callable[..., WeightMap]  # (ModelConfig, engine.models.gguf_loader.GGUFWeights)
 

@@ -12,10 +12,16 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, RowAttention
 from engine.models.config import ModelConfig
-from engine.models.layers import Embedding, Linear, LMHead, RMSNorm, RotaryTables
+from engine.models.layers import (
+    Embedding,
+    Linear,
+    LMHead,
+    RMSNorm,
+    RotaryTables,
+    onednn_linear_available,
+)
 from engine.models.parallel import ONE_RANK, Parallel
 from engine.models.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedWeight
-from engine.models.weights import onednn_linear_available
 
 if TYPE_CHECKING:
     from lora.batch import LoRABatch
@@ -65,9 +71,6 @@ class CausalLM(nn.Module):
             x = layer(x, *tables[getattr(layer, "rope", "global")], kv_caches[i], meta, lora)
         return self.norm(x, rows=isinstance(meta, RowAttention))
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, vocab rows]
-        return self.lm_head(hidden)
-
     def load_weight(self, name: str, *tensors, device, dtype: torch.dtype) -> None:
         """The submodule `name` (a Linear, a norm, the embedding or the head) loads tensors
         (a tied head: the embedding's own weight, None)."""
@@ -98,7 +101,7 @@ class CausalLM(nn.Module):
 
     def pack_linear_weights(self) -> None:
         """CPU float32: every projection and the LM head to oneDNN's packed layout
-        (engine.models.weights)."""
+        (engine.models.layers)."""
         for _, linear in self.linears():
             linear.pack()
         self.lm_head.pack()

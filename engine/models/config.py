@@ -27,6 +27,7 @@ class ModelConfig:
     attn_scale: float | None = None  # the scores' scale; None: head_dim ** -0.5
     layer_windows: tuple[int, ...] | None = None  # each layer's window (0: all); None: all alike
     embed_scale: float | None = None  # the embedding's rows multiplied by it (Gemma: sqrt(hidden))
+    rotary_dim: int | None = None  # the rotated dims of a head (partial rotary); None: head_dim
 
     def window_of(self, layer: int) -> int | None:
         if self.layer_windows is None:

@@ -90,11 +90,11 @@ class Gemma3DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(h, rows)
 
 
-def build(cfg: ModelConfig, hf, max_len: int, parallel: Parallel) -> CausalLM:
+def build(cfg: ModelConfig, hf, context: int, parallel: Parallel) -> CausalLM:
     layers = [Gemma3DecoderLayer(cfg, i, parallel) for i in range(cfg.num_layers)]
     rotary = {
-        "global": RotaryTables.of(hf, cfg.head_dim, max_len, "full_attention"),
-        "local": RotaryTables.of(hf, cfg.head_dim, max_len, "sliding_attention"),
+        "global": RotaryTables.of(hf, cfg.head_dim, context, "full_attention"),
+        "local": RotaryTables.of(hf, cfg.head_dim, context, "sliding_attention"),
     }
     return CausalLM(cfg, layers, rotary, parallel)
 

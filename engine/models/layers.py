@@ -1,11 +1,23 @@
 """The layers architectures are built from: projections, norms, rotary tables, attention over
-the paged KV cache, gated MLPs, the token embedding and the LM head.
+the paged KV cache, gated MLPs, the token embedding, the LM head, and the pre-norm decoder
+block most architectures share.
 
 A step's attention metadata decides its numerics: `RowAttention` (a model whose every layer
 runs on our C++ kernels, kernels/cpu/fused_layer.cpp) takes the C++ pieces for norms, RoPE,
 attention and the activation, so each row's numbers depend on its own tokens only; any other
 metadata takes the torch reference ops. Layers know their tensor-parallel share when built
-(engine.models.parallel) and their weights' format is chosen at load (engine.models.weights).
+(engine.models.parallel) and their weights' format is chosen at load.
+
+Weight formats: one object per Linear (its `format`), each mapping x [M, in] to [M, out], bias
+included.
+- `Dense`: [out, in] in the model's dtype, F.linear: the exact reference, and CUDA's.
+- `Packed`: oneDNN's blocked copy of a float32 weight (CPU). MKL's sgemm is slow at the few rows
+  of decode, where oneDNN's packed GEMM is well ahead (bench.choices; bench/RESULTS.md
+  "Measurements behind the core's choices"); at one row and at a few hundred they are even.
+- `DynamicInt8`: per-channel int8 weights, activations quantized per call (draft models on
+  CPU, engine.models.quant).
+- engine.models.quantized.QuantizedLinear: integer codes with a scale and offset per 32 inputs
+  (a GGUF's blocks, or int4 / int8 from a dense checkpoint).
 """
 
 from __future__ import annotations
@@ -19,11 +31,104 @@ from torch import nn
 from engine.attention import AttentionMetadata, RowAttention
 from engine.models.config import ModelConfig
 from engine.models.parallel import ONE_RANK, Parallel
+from engine.models.quant import linear_int8, pack_int8
 from engine.models.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedWeight
-from engine.models.weights import Dense, DenseHead
 
 if TYPE_CHECKING:
     from lora.batch import LoRABatch
+
+
+def onednn_linear_available() -> bool:
+    ops = torch.ops.mkldnn
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(ops, "_reorder_linear_weight")
+        and hasattr(ops, "_linear_pointwise")
+    )
+
+
+def padded_rows(num_rows: int) -> int:
+    """The row count a packed GEMM runs at: exact up to 32 rows, above that rounded up to an
+    eighth of the power of two below (at most 12.5% padding; 8 sizes per doubling)."""
+    if num_rows <= 32:
+        return num_rows
+    step = 1 << (num_rows.bit_length() - 4)
+    return -(-num_rows // step) * step
+
+
+class Dense(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)  # [out, in]
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def packed(self) -> Packed:
+        return Packed(self.weight.detach(), self.bias)
+
+    def dynamic_int8(self) -> DynamicInt8:
+        return DynamicInt8(self.weight.detach(), self.bias)
+
+
+class Packed(nn.Module):
+    """oneDNN's blocked copy of a float32 weight, its GEMM run over x's rows padded to
+    padded_rows(M).
+
+    oneDNN builds and keeps state for every input shape it sees (primitives, JIT code,
+    buffers), so a server whose steps keep bringing new row counts keeps growing: over
+    M = 1..1024 through SmolLM2's four projections the live heap grew by ~113 KB per (shape,
+    projection), 83 -> 546 MB, and glibc held 1.86 GB more freed around it (RSS 254 -> 2591
+    MB). Padded to these sizes RSS stopped at 440 MB and stayed there on a second pass.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)  # opaque
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
+        num_rows = x.shape[0]
+        padded = padded_rows(num_rows)
+        if padded != num_rows:
+            x = F.pad(x, (0, 0, 0, padded - num_rows))
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")[
+            :num_rows
+        ]
+
+
+class DynamicInt8(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = pack_int8(weight, None if bias is None else bias.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear_int8(x, self.weight)
+
+
+class DenseHead(Dense):
+    """An LM head's dense weight (the embedding's own Parameter when tied), with oneDNN's
+    packed copy beside it once packed: the copy from two rows on; at one row MKL's gemv, which
+    is faster there depends on the head's shape and the CPU (bench.choices measures both)."""
+
+    def __init__(self, weight: nn.Parameter | torch.Tensor):
+        super().__init__(weight, None)
+        if isinstance(weight, nn.Parameter):  # shared with the embedding (tied)
+            self.weight = weight
+        self.copy: Packed | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.copy is not None and x.shape[0] > 1:
+            return self.copy(x)
+        return F.linear(x, self.weight)
+
+    def packed(self) -> DenseHead:
+        self.copy = Packed(self.weight.detach(), None)
+        return self
 
 
 class Linear(nn.Module):
@@ -49,7 +154,7 @@ class Linear(nn.Module):
         world = parallel.world
         self.in_features = in_features // world if self.split == "row" else in_features
         self.out_features = out_features // world if self.split == "column" else out_features
-        self.format: nn.Module | None = None  # engine.models.weights, or QuantizedLinear
+        self.format: nn.Module | None = None  # Dense, Packed, DynamicInt8, QuantizedLinear
 
     def load(self, weight, bias: torch.Tensor | None, device, dtype: torch.dtype) -> None:
         """The whole layer's weight ([out, in] floats, or a QuantizedWeight) and bias; this
@@ -117,19 +222,26 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [N, H, D]; cos/sin: [N, 1, D]. HF's rotate-half convention."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary: int) -> torch.Tensor:
+    """x: [N, H, D]; cos/sin: [N, 1, D]. HF's rotate-half convention over the first `rotary`
+    dims; the rest pass through (their cos is 1 and sin 0: x * 1 + y * 0 is x exactly)."""
+    half = rotary // 2
+    rotated = torch.cat((-x[..., half:rotary], x[..., :half], x[..., rotary:]), dim=-1)
     return x * cos + rotated * sin
 
 
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope"}
 
 
-def rope_parameters(hf_config, head_dim: int, layer_type: str | None = None):
-    """inv_freq [head_dim // 2] and the cos/sin scaling, via transformers' own RoPE functions;
-    layer_type: a model whose layer types have RoPE parameters of their own (Gemma 3)."""
+def rope_parameters(hf_config, head_dim: int, context: int, layer_type: str | None = None):
+    """inv_freq [rotary dims / 2] and the cos/sin scaling, via transformers' own RoPE functions;
+    layer_type: a model whose layer types have RoPE parameters of their own (Gemma 3).
+
+    LongRoPE (Phi-3) has two sets of factors, and HF picks per forward call by its length (long
+    past original_max_position_embeddings); a paged cache needs one rotation per position for
+    good, so the engine's context decides as in vLLM and llama.cpp: the long factors when
+    `context` exceeds the original context, else the short ones (HF's choice for any sequence
+    that fits in it)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = getattr(hf_config, "rope_parameters", None) or {}
@@ -142,26 +254,36 @@ def rope_parameters(hf_config, head_dim: int, layer_type: str | None = None):
         )
     if rope_type == "default":
         base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         return inv_freq, 1.0
     kwargs = {} if layer_type is None else {"layer_type": layer_type}
+    if rope_type == "longrope":
+        kwargs["seq_len"] = context
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu", **kwargs)
     return inv_freq.float(), float(scaling)
 
 
 class RotaryTables(nn.Module):
-    """cos and sin for every position up to max_len ([max_len, D]) from inv_freq [D / 2]."""
+    """cos and sin for every position up to max_len ([max_len, D]) from inv_freq [R / 2]: the
+    first R columns rotate, the rest (partial rotary, R < D) have cos 1 and sin 0. `of` builds
+    the model's: every position of max_position_embeddings, for an engine whose context is
+    `context` (LongRoPE's choice)."""
 
-    def __init__(self, inv_freq: torch.Tensor, scaling: float, max_len: int):
+    def __init__(self, inv_freq: torch.Tensor, scaling: float, max_len: int, head_dim: int):
         super().__init__()
         freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, R]
+        rest = head_dim - emb.shape[1]
+        cos = torch.cat((emb.cos() * scaling, torch.ones(max_len, rest)), dim=-1)
+        sin = torch.cat((emb.sin() * scaling, torch.zeros(max_len, rest)), dim=-1)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     @classmethod
-    def of(cls, hf_config, head_dim: int, max_len: int, layer_type: str | None = None):
-        return cls(*rope_parameters(hf_config, head_dim, layer_type), max_len)
+    def of(cls, hf_config, head_dim: int, context: int, layer_type: str | None = None):
+        inv_freq, scaling = rope_parameters(hf_config, head_dim, context, layer_type)
+        return cls(inv_freq, scaling, hf_config.max_position_embeddings, head_dim)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [N, 1, D]
@@ -181,6 +303,7 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.scale = cfg.attn_scale or d**-0.5
         self.window = cfg.window_of(index) or 0  # 0: the whole context
+        self.rotary_dim = cfg.rotary_dim or d  # the rotated dims of each head
         q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
         self.qkv_proj = Linear(
             cfg.hidden_size, q + 2 * kv, cfg.qkv_bias, "column", [q, kv, kv], parallel,
@@ -207,29 +330,31 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [N, hidden], this rank's heads' share reduced
         qkv = self.qkv_proj(h, lora)  # [N, q + 2 kv]
         if isinstance(meta, RowAttention):
-            ops = torch.ops.tandem_cpu
-            ops.rope_store(
-                qkv, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping, self.num_heads,
-                self.num_kv_heads, *self.head_norms(),
-            )  # fmt: skip
-            attn = ops.attend(
-                qkv, kv_cache[0], kv_cache[1], meta.block_tables, meta.row_tables, meta.seq_lens,
-                self.num_heads, self.num_kv_heads, self.head_dim, self.scale, self.window,
-            )  # fmt: skip
-        else:
-            n = h.shape[0]
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(n, self.num_heads, self.head_dim)
-            k = k.view(n, self.num_kv_heads, self.head_dim)
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            v = v.view(n, self.num_kv_heads, self.head_dim)
-            if isinstance(meta, dict):  # layers with windows of their own: a layout each
-                meta = meta[self.window or None]
-            attn = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale)
-            attn = attn.reshape(n, self.q_size)
-        return self.o_proj(attn, lora)
+            return self.o_proj(self._rows(qkv, cos, sin, kv_cache, meta), lora)
+        n = h.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin, self.rotary_dim), apply_rope(k, cos, sin, self.rotary_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if isinstance(meta, dict):  # layers with windows of their own: a layout each
+            meta = meta[self.window or None]
+        attn = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale)
+        return self.o_proj(attn.reshape(n, self.q_size), lora)
+
+    def _rows(self, qkv, cos, sin, kv_cache, meta: RowAttention) -> torch.Tensor:  # [N, q]
+        """The C++ pieces: RoPE (and head norms) with the store into the cache, attention."""
+        ops = torch.ops.tandem_cpu
+        ops.rope_store(
+            qkv, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping, self.num_heads,
+            self.num_kv_heads, *self.head_norms(), self.rotary_dim,
+        )  # fmt: skip
+        return ops.attend(
+            qkv, kv_cache[0], kv_cache[1], meta.block_tables, meta.row_tables, meta.seq_lens,
+            self.num_heads, self.num_kv_heads, self.head_dim, self.scale, self.window,
+        )  # fmt: skip
 
 
 class GatedMLP(nn.Module):
@@ -319,3 +444,60 @@ class LMHead(nn.Module):
         if self.parallel.gather_columns is None:
             return logits
         return self.parallel.gather_columns(logits, self.total_rows)
+
+
+class DecoderLayer(nn.Module):
+    """The pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). A layer whose
+    projections are all on the C++ quantized kernel runs a step without adapters as one C++
+    call (kernels/cpu/fused_layer.cpp), the same numbers as its pieces composed here."""
+
+    def __init__(self, cfg: ModelConfig, index: int, parallel: Parallel):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, index, parallel)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg, index, parallel)
+        self.whole = parallel.world == 1  # a tensor-parallel layer sums between its halves
+        self.fused: tuple | None = None  # fuse()'s arguments for the one C++ call
+
+    def fuse(self) -> bool:
+        """Whether every row can run on the C++ kernels: every projection on the tandem kernel
+        (CPU) and no MLP bias."""
+        attn, mlp = self.self_attn, self.mlp
+        formats = [m.format for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        tandem = all(isinstance(f, QuantizedLinear) and f.backend == "tandem" for f in formats)
+        if not tandem or formats[2].bias is not None:
+            self.fused = None
+            return False
+        weights = [t for f in formats for t in (f.codes, f.scales, f.offsets)]
+        sizes = [f.out_features for f in formats]
+        self.fused = (weights, [f.bits for f in formats], sizes, formats[0].bias)
+        return True
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [N, hidden]
+        cos: torch.Tensor,  # [N, 1, D]
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,  # [2, Hkv, num_blocks, block_size, D]
+        meta: AttentionMetadata,
+        lora: LoRABatch | None = None,  # per-row adapters, when any row has one
+    ) -> torch.Tensor:
+        rows = isinstance(meta, RowAttention)  # the C++ kernels' numerics
+        if rows and lora is None and self.whole and self.fused is not None:
+            return self._fused(x, cos, sin, kv_cache, meta)
+        h = self.input_layernorm(x, rows)
+        x = x + self.self_attn(h, cos, sin, kv_cache, meta, lora)
+        return x + self.mlp(self.post_attention_layernorm(x, rows), rows, lora)
+
+    def _fused(self, x, cos, sin, kv_cache, meta: RowAttention) -> torch.Tensor:  # x updated
+        weights, bits, sizes, qkv_bias = self.fused
+        attn = self.self_attn
+        torch.ops.tandem_cpu.fused_layer(
+            x, weights, bits, sizes, qkv_bias, self.input_layernorm.weight,
+            self.post_attention_layernorm.weight, self.input_layernorm.eps, cos, sin,
+            kv_cache[0], kv_cache[1], meta.slot_mapping, meta.block_tables, meta.row_tables,
+            meta.seq_lens, attn.num_heads, attn.num_kv_heads, attn.scale, attn.window,
+            *attn.head_norms(), attn.rotary_dim,
+        )  # fmt: skip
+        return x

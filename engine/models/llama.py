@@ -1,11 +1,10 @@
-"""The Llama family (Llama, Mistral, Qwen2): config mapping, weight maps and decoder layer,
-which Qwen3 reuses (engine/models/qwen3.py: a norm over each query and key head).
+"""The Llama family (Llama, Mistral, Qwen2): config mapping and weight maps, which Qwen3
+reuses (engine/models/qwen3.py: a norm over each query and key head).
 
 Q/K/V and gate/up are fused into one projection each (fewer, larger GEMMs); the weight maps
 stack the checkpoint's rows. Qwen2 differs only by a bias on the QKV projection and an untied
-LM head, Mistral by an optional sliding window. A layer whose projections are all on the C++
-quantized kernel runs a step without adapters as one C++ call (kernels/cpu/fused_layer.cpp),
-the same numbers as its pieces composed here.
+LM head, Mistral by an optional sliding window. The decoder layer is the shared pre-norm block
+(engine.models.layers.DecoderLayer).
 """
 
 from __future__ import annotations
@@ -13,19 +12,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
-from engine.attention import AttentionMetadata, RowAttention
 from engine.models.architectures import Architecture, Checkpoint, WeightMap
 from engine.models.causal_lm import CausalLM
 from engine.models.config import ModelConfig, common_fields
-from engine.models.layers import Attention, GatedMLP, RMSNorm, RotaryTables
+from engine.models.layers import DecoderLayer, RotaryTables
 from engine.models.parallel import Parallel
-from engine.models.quantized import QuantizedLinear, QuantizedWeight
+from engine.models.quantized import QuantizedWeight
 
 if TYPE_CHECKING:
     from engine.models.gguf_loader import GGUFWeights
-    from lora.batch import LoRABatch
 
 
 def llama_config(hf) -> ModelConfig:
@@ -43,62 +39,9 @@ def llama_config(hf) -> ModelConfig:
     )
 
 
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int, parallel: Parallel):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, index, parallel)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg, index, parallel)
-        self.whole = parallel.world == 1  # a tensor-parallel layer sums between its halves
-        self.fused: tuple | None = None  # fuse()'s arguments for the one C++ call
-
-    def fuse(self) -> bool:
-        """Whether every row can run on the C++ kernels: every projection on the tandem kernel
-        (CPU) and no MLP bias."""
-        attn, mlp = self.self_attn, self.mlp
-        formats = [m.format for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        tandem = all(isinstance(f, QuantizedLinear) and f.backend == "tandem" for f in formats)
-        if not tandem or formats[2].bias is not None:
-            self.fused = None
-            return False
-        weights = [t for f in formats for t in (f.codes, f.scales, f.offsets)]
-        sizes = [f.out_features for f in formats]
-        self.fused = (weights, [f.bits for f in formats], sizes, formats[0].bias)
-        return True
-
-    def forward(
-        self,
-        x: torch.Tensor,  # [N, hidden]
-        cos: torch.Tensor,  # [N, 1, D]
-        sin: torch.Tensor,
-        kv_cache: torch.Tensor,  # [2, Hkv, num_blocks, block_size, D]
-        meta: AttentionMetadata,
-        lora: LoRABatch | None = None,  # per-row adapters, when any row has one
-    ) -> torch.Tensor:
-        rows = isinstance(meta, RowAttention)  # the C++ kernels' numerics
-        if rows and lora is None and self.whole and self.fused is not None:
-            return self._fused(x, cos, sin, kv_cache, meta)
-        h = self.input_layernorm(x, rows)
-        x = x + self.self_attn(h, cos, sin, kv_cache, meta, lora)
-        return x + self.mlp(self.post_attention_layernorm(x, rows), rows, lora)
-
-    def _fused(self, x, cos, sin, kv_cache, meta: RowAttention) -> torch.Tensor:  # x updated
-        weights, bits, sizes, qkv_bias = self.fused
-        attn = self.self_attn
-        torch.ops.tandem_cpu.fused_layer(
-            x, weights, bits, sizes, qkv_bias, self.input_layernorm.weight,
-            self.post_attention_layernorm.weight, self.input_layernorm.eps, cos, sin,
-            kv_cache[0], kv_cache[1], meta.slot_mapping, meta.block_tables, meta.row_tables,
-            meta.seq_lens, attn.num_heads, attn.num_kv_heads, attn.scale, attn.window,
-            *attn.head_norms(),
-        )  # fmt: skip
-        return x
-
-
-def build(cfg: ModelConfig, hf, max_len: int, parallel: Parallel) -> CausalLM:
-    layers = [LlamaDecoderLayer(cfg, i, parallel) for i in range(cfg.num_layers)]
-    return CausalLM(cfg, layers, RotaryTables.of(hf, cfg.head_dim, max_len), parallel)
+def build(cfg: ModelConfig, hf, context: int, parallel: Parallel) -> CausalLM:
+    layers = [DecoderLayer(cfg, i, parallel) for i in range(cfg.num_layers)]
+    return CausalLM(cfg, layers, RotaryTables.of(hf, cfg.head_dim, context), parallel)
 
 
 def hf_weights(cfg: ModelConfig, ckpt: Checkpoint) -> WeightMap:

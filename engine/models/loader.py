@@ -18,10 +18,10 @@ from engine.models.architectures import Checkpoint, architecture
 from engine.models.causal_lm import CausalLM
 from engine.models.config import ModelConfig
 from engine.models.gguf_loader import GGUFWeights
+from engine.models.layers import onednn_linear_available
 from engine.models.parallel import Parallel, local_config
 from engine.models.quant import int8_linear_available
 from engine.models.registry import resolve_model
-from engine.models.weights import onednn_linear_available
 
 
 def _safetensor_files(path: Path) -> list[Path]:
@@ -98,7 +98,8 @@ def load_model(
     quantization: str | None = None,
     group=None,
 ):
-    """Returns (model, ModelConfig, hf_config). max_len bounds the RoPE table.
+    """Returns (model, ModelConfig, hf_config). max_len: the engine's context (None: the
+    model's max_position_embeddings), which picks LongRoPE's factors.
 
     quantization: None (dense weights in dtype, the exact reference), "auto", "gguf", "int4" or
     "int8" (see resolve_quantization and engine.models.quantized). pack_weights: on CPU, hand dense
@@ -117,7 +118,8 @@ def load_model(
     hf_config = AutoConfig.from_pretrained(str(path))
     arch = architecture(hf_config.model_type)
     cfg = arch.config(hf_config)
-    model = arch.build(cfg, hf_config, max_len or cfg.max_position_embeddings, Parallel.of(group))
+    context = min(max_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    model = arch.build(cfg, hf_config, context, Parallel.of(group))
     model = model.eval()
     if quantization == "gguf":
         source = gguf_file(path)
@@ -183,8 +185,9 @@ def load_target(config: EngineConfig, group=None) -> tuple[CausalLM, ModelConfig
     quantization = target_quantization(config)
     path = target_path(config)
     model, cfg, _ = load_model(
-        path, device=device, dtype=dtype, quantization=quantization, group=group
-    )
+        path, config.max_model_len, device=device, dtype=dtype, quantization=quantization,
+        group=group,
+    )  # fmt: skip
     return model, cfg, path
 
 
@@ -213,6 +216,7 @@ def load_engine_models(config: EngineConfig, group=None) -> EngineModels:
     draft_path = path if config.draft_model == "self" else resolve_model(config.draft_model, dense)
     draft_model, draft_cfg, _ = load_model(
         draft_path,
+        config.max_model_len,
         device=device,
         dtype=dtype,
         **draft_load_args(config.draft_quantization, draft_path, device),

@@ -59,9 +59,10 @@ void rms_norm(const float* x, const float* w, float eps, int64_t n, float* out) 
   }
 }
 
-// x [D] rotated in place: x' = x cos + rotate_half(x) sin, rotate_half(x) = [-x2, x1].
-void rope(float* x, const float* cos, const float* sin, int64_t d) {
-  const int64_t half = d / 2;
+// x's first r dims rotated in place: x' = x cos + rotate_half(x) sin, rotate_half(x) = [-x2, x1]
+// over those r (partial rotary: the rest pass through, as their table entries cos 1, sin 0 say).
+void rope(float* x, const float* cos, const float* sin, int64_t r) {
+  const int64_t half = r / 2;
   for (int64_t i = 0; i < half; ++i) {
     const float a = x[i], b = x[i + half];
     x[i] = a * cos[i] - b * sin[i];
@@ -247,24 +248,26 @@ void sum_values(const float* p, int64_t d, const Cache& vc, int64_t g, const int
 }
 
 // Per-head RMSNorms of q and k before RoPE (Qwen3), or none (null weights).
-struct HeadNorms {
+// What each q and k head goes through before the store: an RMSNorm (Qwen3, Gemma 3), RoPE.
+struct HeadPrep {
   const float* q = nullptr;  // [D]
   const float* k = nullptr;  // [D]
   float eps = 0.0f;
+  int64_t rotary = 0;  // the rotated dims of a head (the rest pass through); 0: all
 };
 
 // q and k of every row normed per head (if norms), rotated in place (positions' cos, sin
 // [rows, D]); k, v stored.
 void rope_store_rows(float* qkv, const float* cs, const float* sn, const Heads& hd,
-                     const Rows& rows, const Cache& kc, const Cache& vc, const HeadNorms& norms) {
+                     const Rows& rows, const Cache& kc, const Cache& vc, const HeadPrep& prep) {
   const int64_t d = hd.head_dim;
   for (int64_t b = 0; b < rows.count; ++b) {
     float* row = qkv + b * hd.cols();
     for (int64_t head = 0; head < hd.num_heads + hd.num_kv_heads; ++head) {
       float* x = row + head * d;
-      const float* w = head < hd.num_heads ? norms.q : norms.k;
-      if (w != nullptr) rms_norm(x, w, norms.eps, d, x);  // (reads x before writing it)
-      rope(x, cs + b * d, sn + b * d, d);
+      const float* w = head < hd.num_heads ? prep.q : prep.k;
+      if (w != nullptr) rms_norm(x, w, prep.eps, d, x);  // (reads x before writing it)
+      rope(x, cs + b * d, sn + b * d, prep.rotary > 0 ? prep.rotary : d);
     }
     const int64_t bs = kc.block_size, block = rows.slots[b] / bs, offset = rows.slots[b] % bs;
     for (int64_t g = 0; g < hd.num_kv_heads; ++g) {
@@ -328,15 +331,19 @@ void act_mul_rows(const float* gu, int64_t rows, int64_t inter, float* act) {
 }
 #endif
 
-HeadNorms head_norms(const std::optional<at::Tensor>& q_norm,
-                     const std::optional<at::Tensor>& k_norm, double eps, int64_t head_dim) {
+HeadPrep head_prep(const std::optional<at::Tensor>& q_norm,
+                   const std::optional<at::Tensor>& k_norm, double eps, int64_t head_dim,
+                   int64_t rotary_dim) {
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "tandem_cpu: q_norm and k_norm go together");
-  if (!q_norm.has_value()) return {};
+  TORCH_CHECK(rotary_dim >= 0 && rotary_dim <= head_dim && rotary_dim % 2 == 0,
+              "tandem_cpu: rotary_dim must be even and at most head_dim, got ", rotary_dim);
+  if (!q_norm.has_value()) return {nullptr, nullptr, 0.0f, rotary_dim};
   for (const at::Tensor* t : {&*q_norm, &*k_norm}) {
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == head_dim,
                 "tandem_cpu: q_norm and k_norm must be contiguous float32 [head_dim]");
   }
-  return {q_norm->data_ptr<float>(), k_norm->data_ptr<float>(), static_cast<float>(eps)};
+  return {q_norm->data_ptr<float>(), k_norm->data_ptr<float>(), static_cast<float>(eps),
+          rotary_dim};
 }
 
 Heads heads_of(int64_t num_heads, int64_t num_kv_heads, const at::Tensor& cos) {
@@ -361,7 +368,7 @@ void fused_layer(at::Tensor x, const std::vector<at::Tensor>& weights, at::IntAr
                  const at::Tensor& row_tables, const at::Tensor& seq_lens, int64_t num_heads,
                  int64_t num_kv_heads, double scale, int64_t window,
                  const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
-                 double head_eps) {
+                 double head_eps, int64_t rotary_dim) {
 #if TANDEM_HAVE_KERNEL
   TORCH_CHECK(weights.size() == 12 && bits.size() == 4 && out_features.size() == 4,
               "tandem_cpu: weights are (codes, d, m) for qkv, o, gate_up, down");
@@ -397,7 +404,7 @@ void fused_layer(at::Tensor x, const std::vector<at::Tensor>& weights, at::IntAr
   norm_rows(xs, norm1.data_ptr<float>(), eps, batch, hidden, h);
   linear(w[0], h, batch, hidden, qkv, hd.cols());
   rope_store_rows(qkv, cos.data_ptr<float>(), sin.data_ptr<float>(), hd, rows, kc, vc,
-                  head_norms(q_norm, k_norm, head_eps, hd.head_dim));
+                  head_prep(q_norm, k_norm, head_eps, hd.head_dim, rotary_dim));
   attend_rows(qkv, hd, rows, kc, vc, static_cast<float>(scale), window, attn);
   linear(w[1], attn, batch, hd.q_size(), out, hidden);
   for (int64_t i = 0; i < batch * hidden; ++i) xs[i] += out[i];
@@ -428,7 +435,8 @@ void rope_store_op(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin,
                    at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots,
                    int64_t num_heads, int64_t num_kv_heads,
                    const std::optional<at::Tensor>& q_norm,
-                   const std::optional<at::Tensor>& k_norm, double head_eps) {
+                   const std::optional<at::Tensor>& k_norm, double head_eps,
+                   int64_t rotary_dim) {
   const Heads hd = heads_of(num_heads, num_kv_heads, cos);
   check_rows(qkv, hd.cols(), "qkv");
   const int64_t batch = qkv.size(0);
@@ -438,7 +446,7 @@ void rope_store_op(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin,
   rope_store_rows(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), hd,
                   rows, view(k_cache, num_kv_heads, hd.head_dim),
                   view(v_cache, num_kv_heads, hd.head_dim),
-                  head_norms(q_norm, k_norm, head_eps, hd.head_dim));
+                  head_prep(q_norm, k_norm, head_eps, hd.head_dim, rotary_dim));
 }
 
 at::Tensor attend_op(const at::Tensor& qkv, at::Tensor k_cache, at::Tensor v_cache,
@@ -478,14 +486,15 @@ TORCH_LIBRARY_FRAGMENT(tandem_cpu, lib) {
       "Tensor? qkv_bias, Tensor norm1, Tensor norm2, float eps, Tensor cos, Tensor sin, "
       "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, Tensor block_tables, "
       "Tensor row_tables, Tensor seq_lens, int num_heads, int num_kv_heads, float scale, "
-      "int window, Tensor? q_norm=None, Tensor? k_norm=None, float head_eps=0.) -> ()",
+      "int window, Tensor? q_norm=None, Tensor? k_norm=None, float head_eps=0., "
+      "int rotary_dim=0) -> ()",
       &tandem::fused_layer);
 #if TANDEM_HAVE_KERNEL
   lib.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &tandem::rms_norm_op);
   lib.def(
       "rope_store(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
       "Tensor(c!) v_cache, Tensor slots, int num_heads, int num_kv_heads, Tensor? q_norm=None, "
-      "Tensor? k_norm=None, float head_eps=0.) -> ()",
+      "Tensor? k_norm=None, float head_eps=0., int rotary_dim=0) -> ()",
       &tandem::rope_store_op);
   lib.def(
       "attend(Tensor qkv, Tensor k_cache, Tensor v_cache, Tensor block_tables, "

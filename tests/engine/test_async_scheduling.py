@@ -155,7 +155,7 @@ def test_forced_tokens_wait_for_the_token_in_flight(tiny_llama):
             return replay.get(tuple(request.prompt_token_ids), [])[n : n + min(limit, 2)]
 
     llm = LLM(str(tiny_llama), num_kv_blocks=64, async_scheduling=True)
-    llm.engine.speculation.forced_tokens = Replay()
+    llm.engine.speculation.force_with(Replay())
     got = llm.generate(prompts, params, use_tqdm=False)
     assert summary(got) == summary(want)
     stats, snap = llm.engine.speculation.stats, llm.engine.snapshot()

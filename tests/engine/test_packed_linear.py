@@ -6,8 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.models.layers import Linear
-from engine.models.weights import onednn_linear_available, packed_linear, padded_rows
+from engine.models.layers import Linear, onednn_linear_available, padded_rows
 
 
 def test_padded_rows_few_sizes_little_padding():
@@ -38,5 +37,4 @@ def test_packed_linear_equals_dense(num_rows, bias):
     assert got.shape == (num_rows, 80)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
     # The padding rows are zeros and never leak into the returned rows.
-    packed = linear.format.weight
-    torch.testing.assert_close(packed_linear(x[:1], packed, b), got[:1])
+    torch.testing.assert_close(linear(x[:1]), got[:1])

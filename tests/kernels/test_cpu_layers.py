@@ -48,7 +48,7 @@ def requests_in_cache(heads, block_size: int, lens: list[int], seed: int = 0):
     q_size, kv_size = num_heads * d, num_kv_heads * d
     for start, heads_of in ((0, num_heads), (q_size, num_kv_heads)):  # q and k rotated as HF
         part = raw[:, start : start + heads_of * d].view(total, heads_of, d)
-        want = apply_rope(part, cos[:, None], sin[:, None]).reshape(total, -1)
+        want = apply_rope(part, cos[:, None], sin[:, None], d).reshape(total, -1)
         torch.testing.assert_close(qkv[:, start : start + heads_of * d], want)
     assert torch.equal(qkv[:, q_size + kv_size :], raw[:, q_size + kv_size :])  # v as it came
     rows = (torch.tensor(row_tables), torch.tensor(seq_lens))
@@ -98,6 +98,46 @@ def test_attend_equals_softmax_attention_and_each_row_stands_alone(block_size, h
             qkv[rows], *args, row_tables[rows], seq_lens[rows], heads, scale, window
         )  # fmt: skip
         assert torch.equal(part, got[rows]), rows
+
+
+def test_partial_rotary_rotates_the_first_dims_as_hf_and_passes_the_rest():
+    """Phi-4-mini's partial rotary (24 of 32 dims here): rope_store and the torch path both
+    equal HF's apply_rotary_pos_emb; the broken variant (rotating all 32) does not."""
+    from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb
+
+    from engine.models.layers import RotaryTables
+
+    num_heads, num_kv_heads, d, rotary, n = 2, 1, 32, 24, 5
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(n, (num_heads + 2 * num_kv_heads) * d, generator=g)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, rotary, 2).float() / rotary)
+    tables = RotaryTables(inv_freq, 1.0, 16, d)
+    positions = torch.tensor([0, 3, 7, 11, 15])
+    cos, sin = tables.cos[positions], tables.sin[positions]  # [n, d]
+    q = qkv[:, : num_heads * d].view(n, num_heads, d)
+    k = qkv[:, num_heads * d : (num_heads + num_kv_heads) * d].view(n, num_kv_heads, d)
+    hf_cos, hf_sin = cos[None, :, :rotary], sin[None, :, :rotary]  # HF's: [1, n, rotary]
+    want_q, want_k = (
+        t[0].transpose(0, 1)
+        for t in apply_rotary_pos_emb(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], hf_cos, hf_sin
+        )
+    )
+    assert torch.equal(apply_rope(q, cos[:, None], sin[:, None], rotary), want_q)
+    k_cache = torch.zeros(num_kv_heads, 4, 4, d)
+    v_cache = torch.zeros_like(k_cache)
+    for width, equal in ((rotary, True), (d, False)):
+        out = qkv.clone()
+        torch.ops.tandem_cpu.rope_store(
+            out, cos, sin, k_cache, v_cache, torch.arange(n), num_heads, num_kv_heads,
+            None, None, 0.0, width,
+        )  # fmt: skip
+        got_q = out[:, : num_heads * d].view(n, num_heads, d)
+        got_k = out[:, num_heads * d : (num_heads + num_kv_heads) * d].view(n, num_kv_heads, d)
+        assert torch.allclose(got_q, want_q, atol=1e-6) is equal
+        assert torch.allclose(got_k, want_k, atol=1e-6) is equal
+        if equal:
+            assert torch.equal(got_q[..., rotary:], q[..., rotary:])  # passed through as is
 
 
 def test_attend_refuses_a_context_beyond_its_table():

@@ -374,7 +374,7 @@ def test_forced_tokens_ride_as_free_drafts(tiny_llama, draft_model, reference, m
     by_prompt = {tuple(p): ref for p, ref in zip(chosen, reference[:24], strict=True)}
     args = {} if method is None else spec_args(method, tiny_llama, draft_model)
     llm = LLM(str(tiny_llama), num_kv_blocks=256, num_speculative_tokens=2, **args)
-    llm.engine.speculation.forced_tokens = ReplayForcer(by_prompt, m=3, wrong=wrong)
+    llm.engine.speculation.force_with(ReplayForcer(by_prompt, m=3, wrong=wrong))
     outs = llm.generate(chosen, ps, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference[:24]
     stats = llm.engine.speculation.stats

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
 from lora import LoRARequest
-from models import hf_greedy, make_adapter, make_tiny_model
+from models import hf_greedy, make_adapter, make_tiny_model, prompt_scores
 
 NEW_TOKENS = 12
 LENS = [1, 9, 17, 40, 130]
@@ -81,17 +81,6 @@ def test_qwen3_adapters_equal_peft(qwen3, tmp_path):
     peft = PeftModel.from_pretrained(base, str(path)).eval()
     with torch.no_grad():
         assert got == [hf_greedy(peft, p, NEW_TOKENS) for p in prompts()]
-
-
-def prompt_scores(llm: LLM, seqs: list[list[int]]) -> list[torch.Tensor]:
-    """Each sequence's log-probability of its own next token at every position (the engine's
-    prompt logprobs): [len - 1] per sequence."""
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
-    outs = llm.generate(seqs, params, use_tqdm=False)
-    return [
-        torch.tensor([lp[t].logprob for t, lp in zip(s[1:], o.prompt_logprobs[1:], strict=True)])
-        for s, o in zip(seqs, outs, strict=True)
-    ]
 
 
 def test_qwen3_cpp_layers_over_int8_weights(qwen3):
