@@ -30,6 +30,10 @@ class EngineConfig:
     max_num_seqs: int = 128  # requests running at once
     max_num_batched_tokens: int = 1024  # token budget per step (prefill chunk size)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
+    # While requests are decoding, a step's prompt tokens are limited so the step stays within
+    # this many milliseconds (engine.step_budget: step time fitted online); None: only
+    # max_num_batched_tokens limits a step.
+    max_step_ms: float | None = None
     kv_cache_memory_bytes: int | None = None  # KV budget; default: a fraction of free memory
     kv_cache_memory_fraction: float = 0.1  # on CPU: of the RAM available at start
     gpu_memory_utilization: float = 0.9  # on CUDA: of the GPU memory free after the weights
@@ -163,6 +167,11 @@ _RULES: list[Rule] = [
     ("max_num_seqs", int_in(1), _POSITIVE),
     ("max_num_batched_tokens", int_in(1), _POSITIVE),
     ("max_model_len", int_in(1, optional=True), _POSITIVE + " or None"),
+    (
+        "max_step_ms",
+        lambda v: v is None or number_in(0, 600_000, low_open=True)(v),
+        "must be a number of milliseconds in (0, 600000] or None",
+    ),
     ("kv_cache_memory_bytes", int_in(1, optional=True), _POSITIVE + " or None"),
     ("num_kv_blocks", int_in(2, optional=True), "must be an integer >= 2 or None"),
     ("num_threads", int_in(1, optional=True), _POSITIVE + " or None"),

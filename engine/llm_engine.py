@@ -33,6 +33,7 @@ from engine.pipeline import InFlight, Pipeline, may_overlap
 from engine.request import Request, RequestStatus, step_token_kinds
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.step_budget import StepBudget
 from lora.adapter import LoRAAdapter, LoRARequest
 from lora.batch import LoRASlots
 from lora.registry import AdapterRegistry
@@ -66,6 +67,9 @@ class LLMEngine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.max_loras if config.enable_lora else None,
+            None
+            if config.max_step_ms is None
+            else StepBudget(config.max_step_ms, config.block_size),
         )
         self.runner = self._runner(models.model, models.shard_cfg, num_blocks)
         if self.workers is not None:
@@ -296,6 +300,8 @@ class LLMEngine:
             raise
         step.count_landed()
         sched = step.sched
+        if self.scheduler.step_budget is not None:  # launch to landing: the step's time
+            self.scheduler.step_budget.observe(sched.total_tokens, time.perf_counter() - step.t0)
         if self.speculation.active:
             self.speculation.observe_step(sched, step.t0, step.t1, time.perf_counter())
         for request, _, k in sched.scheduled():

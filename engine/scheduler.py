@@ -26,6 +26,8 @@ from engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from engine.step_budget import StepBudget
+
 
 @dataclass
 class SchedulerOutput:
@@ -60,8 +62,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_loras: int | None = None,
+        step_budget: StepBudget | None = None,
     ):
         self.kv = kv
+        self.step_budget = step_budget  # prompt tokens beside decodes (engine.step_budget)
         self.max_loras = max_loras  # distinct adapters in one step; None = no adapters
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -78,27 +82,36 @@ class Scheduler:
         """wanted: draft slots a decoding request asks for (spec.speculation's plan)."""
         out = SchedulerOutput()
         wanted = wanted or {}
-        budget = self.max_num_batched_tokens
-        loras: tuple[set, set] = (set(), set())  # target and draft adapters in this step (ids)
+        budget = prompt_left = self.max_num_batched_tokens
+        if self.step_budget is not None:
+            prompt_left = self._prompt_tokens(wanted, budget)
+        # Target and draft adapters in this step (ids); None: the engine has no adapters.
+        loras = None if self.max_loras is None else (set(), set())
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if request in self.held or not self._lora_fits(request, loras):
+            if request in self.held or (loras and not self._lora_fits(request, loras)):
                 i += 1  # held, or its adapter has no slot this step (it runs when one is free)
                 continue
             if request.num_output_tokens + request.num_pending >= request.max_output_tokens:
                 i += 1  # its last token is in flight: it finishes when that comes back
                 continue
-            num_new = min(request.num_uncomputed, budget)
+            n = request.num_uncomputed
+            num_new = min(n, budget) if n == 1 else min(n, budget, prompt_left)
+            if num_new == 0:  # a prompt chunk, and the step's prompt tokens are spent
+                i += 1
+                continue
             k = wanted.get(request, 0)
             num_drafts = k and self._draft_slots(request, num_new, budget, k)
             if not self._allocate_or_preempt(request, num_new, num_drafts, out):
                 break  # the request preempted itself: nothing after it can run either
             self.kv.cache_blocks(request, request.num_computed_tokens + num_new)
-            self._take_loras(request, loras)
+            if loras:
+                self._take_loras(request, loras)
             budget -= out.num_new_tokens[-1]
+            prompt_left -= num_new if n > 1 else 0
             i += 1
-        while self.waiting and budget > 0 and not out.preempted:
+        while self.waiting and min(budget, prompt_left) > 0 and not out.preempted:
             request = next((r for r in self.waiting if r not in self.held), None)
             if request is None:
                 break
@@ -107,11 +120,11 @@ class Scheduler:
             if len(self.running) + seats > self.max_num_seqs and self.running:
                 self._make_way(out)
                 break
-            if not self._lora_fits(request, loras) or request.num_inflight_tokens:
+            if (loras and not self._lora_fits(request, loras)) or request.num_inflight_tokens:
                 break  # FCFS: nobody overtakes it (nor one requeued with a step in flight)
             prefix = self.kv.find_prefix(request) if request.num_computed_tokens == 0 else []
             num_cached = len(prefix) * self.kv.block_size
-            num_new = min(request.num_tokens - num_cached, budget)
+            num_new = min(request.num_tokens - num_cached, budget, prompt_left)
             ok, copy = self.kv.allocate(request, num_new, prefix)
             if not ok:
                 self._make_way(out)
@@ -125,10 +138,17 @@ class Scheduler:
             request.num_draft_computed = self.kv.num_draft_ready(prefix) * self.kv.block_size
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            self._take_loras(request, loras)
+            if loras:
+                self._take_loras(request, loras)
             self._emit(out, request, num_new, 0, copy)
             budget -= num_new
+            prompt_left -= num_new
         return out
+
+    def _prompt_tokens(self, wanted: dict[Request, int], budget: int) -> int:
+        """The step budget's prompt tokens beside this step's decode rows (drafts included)."""
+        rows = sum(1 + wanted.get(r, 0) for r in self.running if r.is_decoding)
+        return self.step_budget.prompt_tokens(rows, budget)
 
     def _last_held(self) -> Request | None:
         """The latest running request that is held (it gives way first under pressure)."""

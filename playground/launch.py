@@ -61,6 +61,12 @@ def add_server_args(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    parser.add_argument(
+        "--max-step-ms",
+        type=float,
+        default=None,
+        help="while requests decode, limit a step's prompt tokens to stay within this time",
+    )
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--threads", type=int, default=None)
@@ -118,6 +124,7 @@ def engine_config(args: argparse.Namespace, adapters: dict[str, LoRARequest]):
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_step_ms=args.max_step_ms,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         num_threads=args.threads,
         tensor_parallel_size=args.tensor_parallel_size,

@@ -31,6 +31,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from engine.step_budget import LinearCost
+
 
 @dataclass
 class Acceptance:
@@ -52,39 +54,6 @@ class Acceptance:
 
     def rate(self, prior: float, prior_weight: float) -> float:
         return (self.accepted + prior * prior_weight) / (self.trials + prior_weight)
-
-
-class LinearCost:
-    """seconds ~ fixed + per_row * rows, fitted by exponentially weighted least squares. Keeps
-    the last well-conditioned fit while recent observations all have the same row count."""
-
-    MIN_SPREAD = 0.25  # weighted variance of the row counts (rows^2) needed to refit
-
-    def __init__(self, decay: float = 0.97):
-        self.decay = decay
-        self.sums = [0.0] * 5  # weight, w*n, w*n^2, w*t, w*n*t
-        self.fixed: float | None = None
-        self.per_row: float | None = None
-
-    @property
-    def fitted(self) -> bool:
-        return self.per_row is not None
-
-    def observe(self, rows: int, seconds: float) -> None:
-        s = [v * self.decay for v in self.sums]
-        for i, v in enumerate((1.0, rows, rows * rows, seconds, rows * seconds)):
-            s[i] += v
-        self.sums = s
-        w, n, nn, t, nt = s
-        var = nn / w - (n / w) ** 2
-        if var < self.MIN_SPREAD:
-            return
-        per_row = (nt / w - (n / w) * (t / w)) / var
-        self.per_row = max(per_row, 0.0)
-        self.fixed = max((t - self.per_row * n) / w, 0.0)
-
-    def __call__(self, rows: int) -> float:
-        return self.fixed + self.per_row * rows
 
 
 @dataclass

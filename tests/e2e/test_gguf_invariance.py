@@ -1,6 +1,7 @@
 """The default path (an embedded model's own GGUF blocks on the C++ kernels): a request gets the
 same tokens and the same logprob bits whatever shares its step, whether its prompt is cached,
-however it is chunked, after preemption and recompute, and beside adapter requests.
+however it is chunked (by the token budget or the step-time budget), after preemption and
+recompute, and beside adapter requests.
 
 Each variant is compared with the requests run one at a time on an engine without prefix
 caching (the whole prompt in one step). The broken variant puts prefill chunks back on the
@@ -99,6 +100,10 @@ def variants(name: str, prompts, params) -> dict[str, list]:
     for chunk in (5, 33):  # chunk boundaries below and above a fused step's old 16-row limit
         llm = LLM(name, max_num_batched_tokens=chunk, enable_prefix_caching=True)
         got[f"chunks of {chunk}"] = run(llm, prompts, params)
+    # A tiny step-time budget: beside decodes, prompts advance by a block per step.
+    budget = LLM(name, max_num_batched_tokens=40, max_step_ms=0.001, enable_prefix_caching=False)
+    got["step budget"] = run(budget, prompts, params)
+    assert budget.engine.scheduler.step_budget.cost.fitted  # it did size the chunks
     tight = LLM(name, num_kv_blocks=14, block_size=8, enable_prefix_caching=False)
     got["preempted"] = run(tight, prompts, params)
     assert tight.engine.snapshot()["num_preemptions"] > 0

@@ -23,6 +23,7 @@ from engine.block_pool import NULL_BLOCK
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
+from engine.step_budget import StepBudget
 
 # ---- KVCacheManager + Scheduler, stateful ----------------------------------------------------
 
@@ -44,12 +45,18 @@ class KVCacheMachine(RuleBasedStateMachine):
         num_blocks=st.integers(6, 14),
         max_num_batched_tokens=st.sampled_from([3, 8, 64]),
         max_num_seqs=st.integers(2, 5),
+        max_step_ms=st.sampled_from([None, 1.0, 6.0]),
     )
-    def setup(self, block_size, num_blocks, max_num_batched_tokens, max_num_seqs):
+    def setup(self, block_size, num_blocks, max_num_batched_tokens, max_num_seqs, max_step_ms):
         self.bs = block_size
         self.kv = KVCacheManager(num_blocks, block_size, True)
         self.pool = self.kv.pool
-        self.sched = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens)
+        budget = None
+        if max_step_ms is not None:  # steps of 1 ms + 0.5 ms per token: 10 tokens in 6 ms
+            budget = StepBudget(max_step_ms, min_chunk=block_size)
+            for tokens in (2, 30):
+                budget.observe(tokens, 0.001 + 0.0005 * tokens)
+        self.sched = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, None, budget)
         # Longest request: alone, it fits with one spare block for a copy-on-write.
         self.max_len = (num_blocks - 2) * block_size
         self.kv_slots: dict[int, list[int | None]] = {}  # block -> key per slot

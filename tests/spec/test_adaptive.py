@@ -9,7 +9,8 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
-from spec.adaptive import Acceptance, AdaptiveSpeculation, Candidate, LinearCost
+from engine.step_budget import LinearCost
+from spec.adaptive import Acceptance, AdaptiveSpeculation, Candidate
 
 SMOL = "smollm2-135m-instruct"  # the exact weights where tokens are compared
 
@@ -304,7 +305,7 @@ def test_int8_self_draft_on_real_weights_is_lossless_and_mostly_accepted():
         num_kv_blocks=64,
         adaptive_speculation=False,
     )
-    from engine.models.weights import DynamicInt8
+    from engine.models.layers import DynamicInt8
 
     assert isinstance(llm.engine.draft_runner.model.lm_head.format, DynamicInt8)
     chat = [{"role": "user", "content": "Explain what a hash table is in two sentences."}]

@@ -1,0 +1,86 @@
+"""The step-time budget (engine/step_budget.py): beside decoding requests a step takes only the
+prompt tokens its fitted cost allows within max_step_ms (at least min_chunk); alone, a prompt
+takes the whole token budget. (On the default path the chunks it makes leave every request's
+tokens and logprob bits as they are: tests/e2e/test_gguf_invariance.py.)"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from blocks import make_request
+
+from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.scheduler import Scheduler
+from engine.step_budget import StepBudget
+
+BLOCK = 4
+
+
+def fitted_budget(max_step_ms: float) -> StepBudget:
+    """A budget whose cost fit saw steps of 2 ms + 0.5 ms per token."""
+    budget = StepBudget(max_step_ms, min_chunk=BLOCK)
+    for tokens in (8, 40, 100, 8, 40):
+        budget.observe(tokens, 0.002 + 0.0005 * tokens)
+    assert budget.cost.fixed == pytest.approx(0.002) and budget.cost.per_row == pytest.approx(5e-4)
+    return budget
+
+
+def run_step(sched: Scheduler) -> dict[str, int]:
+    """Schedule one step and play the engine: tokens computed, one sampled per caught-up
+    request. Returns each scheduled request's new tokens."""
+    out = sched.schedule()
+    for r, n, _ in out.scheduled():
+        r.num_computed_tokens += n
+        sched.kv.cache_blocks(r)
+    for r in out.requests:
+        if r.num_computed_tokens == r.num_tokens:
+            r.append_token(7)
+    return {r.request_id: n for r, n, _ in out.scheduled()}
+
+
+def decoding_and_a_long_prompt(budget: StepBudget | None) -> Scheduler:
+    """Three requests decoding, then a 200-token prompt arrives."""
+    sched = Scheduler(KVCacheManager(200, BLOCK, False), 8, 256, None, budget)
+    for i in range(3):
+        sched.add(make_request(f"d{i}", [1, 2, 3, 4, 5], BLOCK))
+    assert run_step(sched) == {"d0": 5, "d1": 5, "d2": 5}
+    sched.add(make_request("long", list(range(10, 210)), BLOCK))
+    return sched
+
+
+def test_prompt_chunks_shrink_beside_decodes_to_fit_the_step():
+    sched = decoding_and_a_long_prompt(fitted_budget(20.0))
+    # (20 - 2) ms / 0.5 ms = 36 tokens a step: 3 decodes and 33 of the prompt.
+    assert run_step(sched) == {"d0": 1, "d1": 1, "d2": 1, "long": 33}
+    assert run_step(sched) == {"d0": 1, "d1": 1, "d2": 1, "long": 33}
+
+
+def test_without_a_budget_the_prompt_takes_the_token_budget():
+    sched = decoding_and_a_long_prompt(None)
+    assert run_step(sched) == {"d0": 1, "d1": 1, "d2": 1, "long": 200}
+
+
+def test_alone_a_prompt_takes_the_whole_token_budget():
+    sched = Scheduler(KVCacheManager(200, BLOCK, False), 8, 64, None, fitted_budget(20.0))
+    sched.add(make_request("long", list(range(10, 210)), BLOCK))
+    assert run_step(sched) == {"long": 64}
+
+
+def test_a_tight_budget_still_moves_prompts_by_min_chunk():
+    sched = decoding_and_a_long_prompt(fitted_budget(0.5))
+    assert run_step(sched) == {"d0": 1, "d1": 1, "d2": 1, "long": BLOCK}
+
+
+def test_an_unfitted_budget_limits_nothing():
+    sched = decoding_and_a_long_prompt(StepBudget(20.0, BLOCK))
+    assert run_step(sched) == {"d0": 1, "d1": 1, "d2": 1, "long": 200}
+
+
+@pytest.mark.parametrize("value", [0, -5, float("nan"), "10", True])
+def test_max_step_ms_refuses_bad_values(value):
+    with pytest.raises(
+        ValueError, match=rf"^max_step_ms must be .*, got {re.escape(repr(value))}$"
+    ):
+        EngineConfig(max_step_ms=value)
