@@ -157,15 +157,15 @@ def server_mode(url: str, wl: Workload, stream: bool) -> Callable[[], Run]:
 
 
 @contextlib.contextmanager
-def serving() -> Iterator[str]:
+def serving(model: str = MODEL, flags: list[str] | None = None) -> Iterator[str]:
     """`tandem serve` in its own process (the clients' work does not share its GIL) on a free
-    port, with ENGINE_ARGS' settings; yields its URL once it answers /health and terminates it
-    on the way out, whatever happened (killed if it does not stop in 30 s)."""
+    port, with ENGINE_ARGS' settings (or `flags`); yields its URL once it answers /health and
+    terminates it on the way out, whatever happened (killed if it does not stop in 30 s)."""
     from playground.launch import free_port
 
     port = free_port()
-    command = [sys.executable, "-m", "playground.cli", "serve", "--model", MODEL]
-    command += ["--port", str(port), *SERVER_FLAGS]
+    command = [sys.executable, "-m", "playground.cli", "serve", "--model", model]
+    command += ["--port", str(port), *(SERVER_FLAGS if flags is None else flags)]
     with tempfile.TemporaryFile() as log:
         server = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent

@@ -171,7 +171,8 @@ def metrics(url: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     values = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+    text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+    for family in text_string_to_metric_families(text):
         for s in family.samples:
             key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in s.labels.items()) + "}")
             values[key if s.labels else s.name] = s.value

@@ -14,19 +14,41 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections import OrderedDict
+import unicodedata
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
+
+from engine.errors import ParamError
 
 NULL_BLOCK = 0
 ROOT_HASH = b"tandem-prefix-root"
 
 
+class BlockPoolError(RuntimeError):
+    """The pool's reference counts were about to break (a bug upstream, not bad input): raised
+    whatever Python's flags, unlike an assert."""
+
+
 def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_keys: bytes = b"") -> bytes:
-    """Chained, process-stable block hash (sha256 over the parent hash, tokens, extra keys)."""
+    """Chained, process-stable block hash (sha256 over the parent hash, tokens, extra keys).
+    The tokens and the extra keys each go in after their length, so no split of the same bytes
+    between them hashes alike."""
     h = hashlib.sha256(parent or ROOT_HASH)
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    h.update(struct.pack(f"<Q{len(token_ids)}q", len(token_ids), *token_ids))
+    h.update(struct.pack("<Q", len(extra_keys)))
     h.update(extra_keys)
     return h.digest()
+
+
+def cache_extra_keys(
+    cache_salt: str | None, adapter_key: bytes = b"", draft_key: bytes = b""
+) -> bytes:
+    """A request's extra keys: its cache salt, its adapter's cache key and its draft adapter's,
+    each after its length. Without the lengths, a salt equal to an adapter's key would hash
+    like that adapter's requests and read (or plant) their KV."""
+    check_cache_salt(cache_salt)
+    parts = ((cache_salt or "").encode(), adapter_key, draft_key)
+    return b"".join(struct.pack("<Q", len(part)) + part for part in parts)
 
 
 def extend_block_hashes(
@@ -40,6 +62,25 @@ def extend_block_hashes(
         tokens = token_ids[i * block_size : (i + 1) * block_size]
         hashes.append(hash_block(hashes[-1] if hashes else None, tokens, extra_keys))
     return hashes
+
+
+MAX_CACHE_SALT_CHARS = 1024  # hashed into every block of the request
+
+
+def check_cache_salt(cache_salt: str | None) -> None:
+    """A salt is printable text of bounded length: control characters are refused (a salt
+    must not pass for any other part of a cache key, and must show plainly in logs)."""
+    if cache_salt is None:
+        return
+    if not isinstance(cache_salt, str):
+        raise ParamError("cache_salt", f"cache_salt must be a string, got {cache_salt!r:.100}")
+    if len(cache_salt) > MAX_CACHE_SALT_CHARS:
+        message = f"cache_salt is {len(cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS}"
+        raise ParamError("cache_salt", message)
+    bad = next((c for c in cache_salt if unicodedata.category(c) == "Cc"), None)
+    if bad is not None:
+        message = f"cache_salt must not hold control characters, got {bad!r} in {cache_salt!r:.100}"
+        raise ParamError("cache_salt", message)
 
 
 class BlockPool:
@@ -91,9 +132,16 @@ class BlockPool:
             self.ref_counts[block] += 1
 
     def free(self, blocks: Sequence[int]) -> None:
-        """Drop one reference each; the tail of a request goes first in eviction order."""
+        """Drop one reference each; the tail of a request goes first in eviction order. A block
+        with no reference left to drop (a double free) raises before any count changes: a
+        negative count would put one block in two requests' tables."""
+        held = Counter(blocks)
+        over = next((b for b, n in held.items() if n > self.ref_counts[b]), None)
+        if over is not None:
+            raise BlockPoolError(
+                f"double free of block {over} (reference count {self.ref_counts[over]})"
+            )
         for block in reversed(blocks):
-            assert self.ref_counts[block] > 0, f"double free of block {block}"
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 self.free_queue[block] = None

@@ -19,6 +19,7 @@ from contextlib import nullcontext
 import torch
 
 from engine.backends import resolve_backend
+from engine.block_pool import cache_extra_keys
 from engine.config import MAX_SPECULATIVE_TOKENS, EngineConfig
 from engine.detokenizer import ExactDecoder
 from engine.distributed.tensor_parallel import Workers
@@ -169,9 +170,11 @@ class LLMEngine:
         draft_adapter = _load(self.draft_adapters, draft_lora_request)
         # Prefix-cache keys carry the adapters and their versions: blocks hold the target's KV
         # and the draft model's, so neither is shared across adapters.
-        salt = (cache_salt or "").encode() + (adapter.cache_key if adapter else b"")
-        if draft_adapter is not None:
-            salt += b"\x00draft" + draft_adapter.cache_key
+        salt = cache_extra_keys(
+            cache_salt,
+            adapter.cache_key if adapter else b"",
+            draft_adapter.cache_key if draft_adapter else b"",
+        )
         eos, max_len, block_size = self.eos_token_ids, self.max_model_len, self.config.block_size
         requests = [
             Request(request_id, ids, params, eos, max_len, i, salt, block_size)

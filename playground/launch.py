@@ -37,7 +37,38 @@ def add_server_args(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=port, help="0 picks a free port")
     parser.add_argument(
-        "--api-key", default=os.environ.get("TANDEM_API_KEY"), help="or $TANDEM_API_KEY"
+        "--api-key",
+        action="append",
+        default=[],
+        help="a key every route but /health needs (repeat for tenants: each key's requests "
+        "get their own prefix cache); or $TANDEM_API_KEY",
+    )
+    parser.add_argument(
+        "--allowed-hosts",
+        nargs="*",
+        default=[],
+        help="without an API key: Host names besides localhost, 127.0.0.1, ::1, --host ('*': any)",
+    )
+    parser.add_argument(
+        "--allowed-origins",
+        nargs="*",
+        default=[],
+        help="sites (scheme://host:port) whose pages may call the server (CORS; '*': any)",
+    )
+    parser.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="report usage.prompt_tokens_details.cached_tokens (shows which prefixes are cached)",
+    )
+    # (defaults: engine.entrypoints.openai.admission.AdmissionLimits)
+    parser.add_argument("--max-prompts-per-request", type=int, help="prompts in one request")
+    parser.add_argument(
+        "--max-queued-requests",
+        type=int,
+        help="requests held at once (a prompt with n completions counts n); past it: 429",
+    )
+    parser.add_argument(
+        "--max-queued-tokens", type=int, help="prompt tokens of the requests held; past it: 429"
     )
     parser.add_argument(
         "--quantization",
@@ -149,15 +180,34 @@ def build_state(args: argparse.Namespace, adapters: dict[str, LoRARequest]) -> S
         for adapter in adapters.values():  # load now: a bad adapter fails at start, not later
             llm.load_lora(adapter)
         engine = AsyncEngine(llm)
-    limits = {"max_body_bytes": args.max_body_bytes} if args.max_body_bytes else {}
+    body_limit = {"max_body_bytes": args.max_body_bytes} if args.max_body_bytes else {}
+    env_key = os.environ.get("TANDEM_API_KEY")
+    keys = tuple(args.api_key) or ((env_key,) if env_key else ())
     return ServerState(
         engine,
         args.served_model_name or served_name(args.model),
         adapters,
-        api_key=args.api_key,
+        api_keys=keys,
         lora_dir=Path(args.lora_dir) if args.lora_dir else None,
-        **limits,
+        limits=admission_limits(args),
+        bind_host=args.host,
+        allowed_hosts=tuple(args.allowed_hosts),
+        allowed_origins=tuple(args.allowed_origins),
+        show_cached_tokens=args.enable_prompt_tokens_details,
+        **body_limit,
     )
+
+
+def admission_limits(args: argparse.Namespace):
+    from engine.entrypoints.openai.admission import AdmissionLimits
+
+    names = ("max_prompts_per_request", "max_queued_requests", "max_queued_tokens")
+    given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    try:
+        return AdmissionLimits(**given)
+    except ValueError as exc:
+        flag = "--" + str(exc).split()[0].replace("_", "-")
+        raise SystemExit(f"{flag}: {exc}") from None
 
 
 def _replicas(args: argparse.Namespace, config, adapters: dict[str, LoRARequest]):

@@ -13,19 +13,22 @@ import httpx
 
 from engine.config import EngineConfig
 from engine.entrypoints.async_engine import AsyncEngine
-from engine.entrypoints.openai.server import ServerState
+from engine.entrypoints.openai.server import ServerState, build_app
 from engine.llm_engine import LLMEngine
 from playground.launch import free_port
 
-__all__ = ["API_KEY", "command_line", "make_state", "serving", "wait_idle"]
+__all__ = ["API_KEY", "command_line", "make_state", "serving", "tiny_serving", "wait_idle"]
 API_KEY = "test-key-123"
 
 
-def make_state(model: str, adapters=None, **config) -> ServerState:
+def make_state(model: str, adapters=None, show_cached_tokens=False, **config) -> ServerState:
     engine = LLMEngine(EngineConfig(model=model, num_threads=1, **config))
     for a in (adapters or {}).values():
         engine.load_lora(a)
-    return ServerState(AsyncEngine(engine), model, dict(adapters or {}), api_key=API_KEY)
+    adapters = dict(adapters or {})
+    state = ServerState(AsyncEngine(engine), model, adapters, api_keys=(API_KEY,))
+    state.show_cached_tokens = show_cached_tokens
+    return state
 
 
 @contextmanager
@@ -48,6 +51,18 @@ def serving(app, host: str = "127.0.0.1") -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+@contextmanager
+def tiny_serving(model_dir, **fields) -> Iterator[tuple[str, ServerState]]:
+    """A small model behind a real server; `fields` set ServerState's (api_keys, limits...)."""
+    engine = LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=64, num_threads=1))
+    state = ServerState(AsyncEngine(engine), "tiny", {}, **fields)
+    try:
+        with serving(build_app(state)) as url:
+            yield url, state
+    finally:
+        state.engine.shutdown()
 
 
 @contextmanager

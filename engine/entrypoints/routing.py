@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from engine.block_pool import extend_block_hashes
+from engine.block_pool import cache_extra_keys, extend_block_hashes
 from engine.sampling_params import SamplingParams
 from lora.adapter import LoRARequest
 
@@ -62,7 +62,7 @@ class ReplicaView:
 def prompt_hashes(sub: Submission, block_size: int, adapter_key: bytes | None) -> list[bytes]:
     """The chained hashes of the prompt's full blocks, as the engine keys them (its salt is
     the cache salt then the adapter's cache key; LLMEngine.add_request)."""
-    salt = (sub.cache_salt or "").encode() + (adapter_key or b"")
+    salt = cache_extra_keys(sub.cache_salt, adapter_key or b"")
     return extend_block_hashes([], sub.prompt, block_size, salt)
 
 

@@ -243,7 +243,7 @@ def server(tiny_llama, tmp_path_factory):
 
     lora = LoRARequest("lora-a", str(adapter))
     engine.load_lora(lora)
-    state = ServerState(AsyncEngine(engine), "tiny", {"lora-a": lora}, api_key=API_KEY)
+    state = ServerState(AsyncEngine(engine), "tiny", {"lora-a": lora}, api_keys=(API_KEY,))
     with (
         serving(build_app(state)) as url,
         httpx.Client(

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import struct
+import subprocess
+import sys
+
 import pytest
 from blocks import chain, make_request
 
-from engine.block_pool import NULL_BLOCK, BlockPool, hash_block
+from engine.block_pool import (
+    NULL_BLOCK,
+    BlockPool,
+    BlockPoolError,
+    cache_extra_keys,
+    hash_block,
+)
+from engine.errors import ParamError
 
 # ---- BlockPool -----------------------------------------------------------------------------
 
@@ -55,14 +66,34 @@ def test_touch_takes_a_free_block_out_of_the_queue():
     assert a not in pool.allocate(2)
 
 
-def test_double_free_asserts():
+def test_double_free_raises_and_changes_nothing():
+    """A double free is a BlockPoolError (an assert would vanish under python -O), raised
+    before any count moves: [b, a, a] with a held once leaves b held too."""
     pool = BlockPool(4)
-    (a,) = pool.allocate(1)
+    a, b = pool.allocate(2)
     pool.free([a])
-    with pytest.raises(AssertionError, match="double free"):
+    with pytest.raises(BlockPoolError, match=f"double free of block {a}"):
         pool.free([a])
-    with pytest.raises(AssertionError, match="double free"):
-        pool.free([2])  # never allocated
+    with pytest.raises(BlockPoolError, match="double free of block 3"):
+        pool.free([3])  # never allocated
+    pool.touch([a])
+    with pytest.raises(BlockPoolError, match=f"double free of block {a}"):
+        pool.free([b, a, a])
+    assert pool.ref_counts[a] == pool.ref_counts[b] == 1 and pool.num_free == 1
+
+
+def test_double_free_raises_under_python_O():
+    code = (
+        "from engine.block_pool import BlockPool, BlockPoolError\n"
+        "pool = BlockPool(4)\n"
+        "try:\n    pool.free([1])\nexcept BlockPoolError as e:\n    print('raised', e)\n"
+        "print('count', pool.ref_counts[1])\n"
+    )
+    out = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True)
+    assert out.stdout.split("\n")[:2] == [
+        "raised double free of block 1 (reference count 0)",
+        "count 0",
+    ], out.stderr
 
 
 def test_free_queue_is_lru_and_a_request_tail_goes_first():
@@ -137,3 +168,33 @@ def test_hash_block_chains_tokens_and_extra_keys():
     assert len(req.block_hashes) == 2
     req.append_token(11)
     assert req.full_block_hashes() == chain(list(range(12)), 4, b"salt")
+
+
+def test_hash_components_are_length_prefixed():
+    """The same bytes split another way between tokens and extra keys, or between a cache
+    salt and an adapter's key, hash apart. Before, `cache_salt + adapter key` was one string:
+    a base-model request salted with an adapter's key hashed like the adapter's requests (such
+    a salt is refused now too; its extra keys are built here as the engine would)."""
+    adapter_key = b"\x00lora:sql@v1"
+    adapters = cache_extra_keys(None, adapter_key)
+    planted = b"".join(struct.pack("<Q", len(p)) + p for p in (adapter_key, b"", b""))
+    assert planted != adapters
+    tokens = list(range(8))
+    assert chain(tokens, 4, planted) != chain(tokens, 4, adapters)
+    assert set(chain(tokens, 4, planted)).isdisjoint(chain(tokens, 4, adapters))
+    assert cache_extra_keys("ab", b"c") != cache_extra_keys("a", b"bc")
+    assert cache_extra_keys(None, b"", b"x") != cache_extra_keys(None, b"x", b"")
+    assert hash_block(None, [1], b"\x02" + bytes(7)) != hash_block(None, [1, 2], b"")
+
+
+@pytest.mark.parametrize("salt", ["\x00lora:sql@v1", "tenant\n", "a\x7fb", "\x85"])
+def test_cache_salt_with_control_characters_is_refused(salt):
+    with pytest.raises(ParamError, match="cache_salt must not hold control characters") as info:
+        cache_extra_keys(salt)
+    assert info.value.param == "cache_salt"
+
+
+def test_cache_salt_length_boundary():
+    cache_extra_keys("s" * 1024)
+    with pytest.raises(ParamError, match="cache_salt is 1025 characters; at most 1024"):
+        cache_extra_keys("s" * 1025)

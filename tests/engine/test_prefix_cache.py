@@ -60,9 +60,10 @@ def assert_idle(llm: LLM) -> None:
     assert pool.num_free == pool.num_usable and not any(pool.ref_counts)
 
 
-def cached_blocks(llm: LLM, prompt: list[int], salt: bytes = b"") -> list[bool]:
+def cached_blocks(llm: LLM, prompt: list[int], salt: str | None = None) -> list[bool]:
     """For each full block of the prompt: is its chained hash in the prefix cache?"""
-    req = Request("probe", prompt, SamplingParams(), set(), 10_000, 0, salt, BS)
+    keys = engine.block_pool.cache_extra_keys(salt)
+    req = Request("probe", prompt, SamplingParams(), set(), 10_000, 0, keys, BS)
     return [llm.engine.kv.pool.lookup(h) is not None for h in req.full_block_hashes()]
 
 
@@ -197,8 +198,8 @@ def test_cache_salt_isolates(model_dir):
     assert hit == 3 * BS and out.num_cached_tokens == 3 * BS and ids(out) == ids(plain)
     out, hit = run(llm, prompt)
     assert hit == 3 * BS
-    assert cached_blocks(llm, prompt, b"alice") == cached_blocks(llm, prompt) == [True] * 3
-    assert cached_blocks(llm, prompt, b"carol") == [False] * 3
+    assert cached_blocks(llm, prompt, "alice") == cached_blocks(llm, prompt) == [True] * 3
+    assert cached_blocks(llm, prompt, "carol") == [False] * 3
     assert_idle(llm)
 
 

@@ -3,7 +3,9 @@ ASGI (not BaseHTTPMiddleware), so the app still sees client disconnects."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+from collections.abc import Sequence
 
 from fastapi.responses import JSONResponse
 
@@ -11,7 +13,7 @@ from engine.entrypoints.openai.protocol import APIError
 
 
 def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 class BodySizeLimit:
@@ -49,22 +51,73 @@ class BodySizeLimit:
         await error_response(err)(scope, receive, send)
 
 
-_KEYED_PATHS = ("/v1", "/tokenize", "/detokenize")
+OPEN_PATHS = frozenset({"/health", "/login"})  # the only routes that answer without a key
+KEY_COOKIE = "tandem_api_key"  # set by /login for browsers (HttpOnly, SameSite=Strict)
+
+
+def tenant_salt(key: bytes) -> str:
+    """The default cache salt of one API key's requests: a digest of the key, so no other
+    tenant can name it, of a fixed length, so no salt of another shape can pass for it."""
+    return "key-" + hashlib.sha256(b"tandem-tenant\x00" + key).hexdigest()[:32]
+
+
+def cookie_token(key: bytes) -> bytes:
+    """What the /login cookie holds for a key: a digest (cookie-safe text, and no bearer key
+    for whoever reads the cookie)."""
+    return hashlib.sha256(b"tandem-cookie\x00" + key).hexdigest().encode()
+
+
+def presented(scope) -> tuple[bytes, bytes]:
+    """(the bearer token of `Authorization: Bearer <key>`, the /login cookie); b"" if absent."""
+    headers = dict(scope.get("headers") or [])
+    given = headers.get(b"authorization", b"")
+    bearer = given[7:] if given[:7].lower() == b"bearer " else b""
+    for part in headers.get(b"cookie", b"").split(b";"):
+        name, _, value = part.strip().partition(b"=")
+        if name == KEY_COOKIE.encode():
+            return bearer, value
+    return bearer, b""
 
 
 class APIKeyCheck:
-    """ASGI middleware: /v1, /tokenize and /detokenize requests need `Authorization: Bearer
-    <key>` (compared in constant time). Pure ASGI, not BaseHTTPMiddleware, so the app still sees
-    client disconnects."""
+    """ASGI middleware: every route but /health and /login (the API, /metrics, /v1/snapshot,
+    /openapi.json, the playground and its Gradio API) needs one of the keys, as a bearer token
+    or the /login cookie; each key is compared in constant time, and all of them always.
+    The matched key's tenant salt goes into the request's state (`tenant_salt`)."""
 
-    def __init__(self, app, key: str):
-        self.app, self.key = app, key.encode()
+    def __init__(self, app, keys: Sequence[str]):
+        self.app, self.keys = app, [k.encode() for k in keys]
+        self.tokens = [cookie_token(k) for k in self.keys]
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith(_KEYED_PATHS):
-            given = dict(scope.get("headers") or []).get(b"authorization", b"")
-            token = given[7:] if given[:7].lower() == b"bearer " else b""
-            if not hmac.compare_digest(token, self.key):
-                err = APIError("invalid or missing API key", status=401, code="invalid_api_key")
-                return await error_response(err)(scope, receive, send)
+        if scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        if scope["type"] == "http" and is_preflight(scope):  # browsers send no key on these
+            return await self.app(scope, receive, send)
+        bearer, cookie = presented(scope)
+        matched = [
+            hmac.compare_digest(bearer, key) | hmac.compare_digest(cookie, token)
+            for key, token in zip(self.keys, self.tokens, strict=True)
+        ]
+        if not any(matched):
+            if scope["type"] == "websocket":
+                return await send({"type": "websocket.close", "code": 1008})
+            err = APIError(
+                "invalid or missing API key (browsers: sign in at /login)",
+                status=401,
+                code="invalid_api_key",
+            )
+            return await error_response(err)(scope, receive, send)
+        key = self.keys[matched.index(True)]
+        scope.setdefault("state", {})["tenant_salt"] = tenant_salt(key)
         return await self.app(scope, receive, send)
+
+
+def is_preflight(scope) -> bool:
+    """A CORS preflight: OPTIONS with Origin and Access-Control-Request-Method."""
+    headers = dict(scope.get("headers") or [])
+    return (
+        scope["method"] == "OPTIONS"
+        and b"origin" in headers
+        and b"access-control-request-method" in headers
+    )

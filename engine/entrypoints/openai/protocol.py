@@ -9,6 +9,8 @@ choice} (also vLLM's older guided_json / guided_regex / guided_grammar / guided_
 
 from __future__ import annotations
 
+import asyncio
+import json
 from dataclasses import dataclass
 
 from engine.entrypoints.beam_search import BeamSearchParams
@@ -25,6 +27,7 @@ class APIError(Exception):
     status: int = 400
     code: str | None = None
     type: str = "invalid_request_error"  # OpenAI's field name
+    headers: dict[str, str] | None = None  # sent with the answer (a 429's Retry-After)
 
     def __str__(self) -> str:
         return self.message
@@ -125,6 +128,56 @@ CHAT_FIELDS = {
     "tool_choice": (str, dict),
     "parallel_tool_calls": (bool,),
 }
+
+
+MAX_JSON_DEPTH = 100  # arrays and objects inside one another in a request body
+
+
+def parse_body(raw: bytes):
+    """A request body as JSON: 400 for text that is not JSON and for nesting past
+    MAX_JSON_DEPTH (deeper still, the parser itself would run out of stack: a RecursionError)."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        body, depth = None, None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(f"the request body is not valid JSON: {exc}") from None
+    else:
+        depth = nesting_depth(body, MAX_JSON_DEPTH)
+    if depth is None or depth > MAX_JSON_DEPTH:
+        shown = "far deeper" if depth is None else depth
+        raise APIError(
+            f"the request body nests {shown} levels deep; at most {MAX_JSON_DEPTH} "
+            "(arrays and objects inside one another)"
+        )
+    return body
+
+
+def nesting_depth(value, limit: int) -> int:
+    """How deep arrays and objects nest in value (a scalar: 0), counted up to limit + 1;
+    iterative, so no depth overflows the stack."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item
+        if not isinstance(item, dict | list):
+            continue
+        deepest = max(deepest, depth)
+        if deepest > limit:
+            return deepest
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return deepest
+
+
+async def read_json(request):
+    """The body as JSON; a large one is parsed off the event loop (which answers /health)."""
+    raw = await request.body()
+    if len(raw) > PARSE_INLINE_BYTES:
+        return await asyncio.to_thread(parse_body, raw)
+    return parse_body(raw)
+
+
+PARSE_INLINE_BYTES = 64 * 1024
 
 
 def check_fields(body, fields: dict[str, tuple[type, ...]]) -> dict:

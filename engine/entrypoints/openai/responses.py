@@ -35,6 +35,7 @@ class ResponseContext:
     echoes: list[Echo] | None = None  # per prompt
     tools: bool = False
     with_prompt_logprobs: bool = False  # vLLM's prompt_logprobs field, when asked for
+    with_cached_tokens: bool = False  # usage shows cached_tokens (the server's flag)
     id: str = ""
     created: int = 0
     parsers: dict[int, ToolCallParser] = field(default_factory=dict)
@@ -64,13 +65,17 @@ class ResponseContext:
         return bool(self.echoes) and self.echoes[0].only
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached: int | None = None) -> dict:
+    """OpenAI's usage; prompt_tokens_details.cached_tokens only when given (a server flag:
+    it tells a client which prefixes others sent)."""
+    body = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached},
     }
+    if cached is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached}
+    return body
 
 
 def _top(position: dict[int, Logprob], limit: int) -> list[tuple[int, Logprob]]:
@@ -237,7 +242,7 @@ def final_response(
     body["usage"] = usage(
         sum(len(out.prompt_token_ids) for out in outs),
         completion_tokens(ctx, outs),
-        sum(out.num_cached_tokens for out in outs),
+        sum(out.num_cached_tokens for out in outs) if ctx.with_cached_tokens else None,
     )
     if with_spec_stats:
         body["speculation"] = spec_stats(outs)

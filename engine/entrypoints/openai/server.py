@@ -21,6 +21,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from engine.entrypoints.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from engine.entrypoints.llm import chat_prompt_ids
 from engine.entrypoints.openai import protocol, responses
+from engine.entrypoints.openai.admission import Admission, AdmissionLimits, Ticket
+from engine.entrypoints.openai.browser import BrowserGuard, server_hosts
+from engine.entrypoints.openai.login import add_login_routes
+from engine.entrypoints.openai.lora_routes import add_lora_routes
 from engine.entrypoints.openai.metrics import ServerMetrics
 from engine.entrypoints.openai.middleware import APIKeyCheck, BodySizeLimit, error_response
 from engine.entrypoints.openai.protocol import APIError
@@ -38,11 +42,21 @@ class ServerState:
     engine: AsyncEngine
     model_name: str  # the base model's name in /v1/models and in `model`
     adapters: dict[str, LoRARequest] = field(default_factory=dict)
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # any of them opens every route but /health and /login
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     metrics: ServerMetrics | None = None
     lora_dir: Path | None = None  # adapters may be hot-loaded from here (and only from here)
+    max_adapters: int = 64  # adapter names served at once (hot loads past it are refused)
+    limits: AdmissionLimits = field(default_factory=AdmissionLimits)
+    bind_host: str | None = None  # the address uvicorn listens on: a name the server answers to
+    allowed_hosts: tuple[str, ...] = ()  # more names (key-less servers check Host)
+    allowed_origins: tuple[str, ...] = ()  # sites whose pages may call the server (CORS)
+    show_cached_tokens: bool = False  # usage.prompt_tokens_details.cached_tokens: a cache oracle
     created: int = field(default_factory=lambda: int(time.time()))
+    admission: Admission = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.admission = Admission(self.limits)
 
     def model_card(self, name: str) -> dict:
         """/v1/models' entry for the base model or an adapter (whose parent is the base)."""
@@ -52,7 +66,7 @@ class ServerState:
             "object": "model",
             "created": self.created,
             "owned_by": "tandem",
-            "root": name if adapter is None else str(adapter.path),
+            "root": name,  # (an adapter's path on this machine is not the client's business)
             "parent": None if adapter is None else self.model_name,
             "max_model_len": self.max_model_len,
         }
@@ -91,9 +105,14 @@ def build_app(state: ServerState) -> FastAPI:
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         return error_response(exc)
 
-    if state.api_key is not None:
-        app.add_middleware(APIKeyCheck, key=state.api_key)
+    # Starlette runs the last added first: browser checks, then the key, then the body limit.
     app.add_middleware(BodySizeLimit, max_bytes=state.max_body_bytes)
+    if state.api_keys:
+        app.add_middleware(APIKeyCheck, keys=state.api_keys)
+        add_login_routes(app, state.api_keys)
+    hosts = server_hosts(state.bind_host, state.allowed_hosts)
+    guard = {"hosts": hosts, "origins": state.allowed_origins}
+    app.add_middleware(BrowserGuard, **guard, check_requests=not state.api_keys)
 
     @app.get("/health")
     async def health() -> Response:
@@ -119,7 +138,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
-        body = protocol.check_fields(await _json(request), protocol.TOKENIZE_FIELDS)
+        body = protocol.check_fields(await protocol.read_json(request), protocol.TOKENIZE_FIELDS)
         state.lora_for(body.get("model"))  # an unknown model is a 404, as everywhere
         return await asyncio.to_thread(
             protocol.tokenize, body, state.tokenizer, state.max_model_len
@@ -127,14 +146,14 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict:
-        body = protocol.check_fields(await _json(request), protocol.DETOKENIZE_FIELDS)
+        body = protocol.check_fields(await protocol.read_json(request), protocol.DETOKENIZE_FIELDS)
         state.lora_for(body.get("model"))
         ids = protocol.detokenize_ids(body, state.engine.engine.vocab_size)
         decoder = state.engine.engine.decoder  # as the engine's outputs: no space clean-up
         text = await asyncio.to_thread(decoder, ids, skip_special_tokens=False)
         return {"prompt": text}
 
-    _add_lora_routes(app, state)
+    add_lora_routes(app, state)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -147,92 +166,22 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
-def _check_hot_loading(state: ServerState) -> None:
-    if state.lora_dir is None:
-        raise APIError("adapter loading is off: start the server with --lora-dir DIR", status=404)
-
-
-def _name_taken(name: str) -> APIError:
-    return APIError(f"the name {name!r} is taken; unload it first", "lora_name")
-
-
-def _hot_adapter(state: ServerState, body: dict) -> LoRARequest:
-    """The adapter a load names: lora_path (default: lora_name) inside the server's lora_dir;
-    a path that leaves it (.., an absolute path elsewhere, a symlink out) is refused."""
-    _check_hot_loading(state)
-    name = body.get("lora_name")
-    if not name:
-        raise APIError("lora_name is required", "lora_name")
-    if name == state.model_name:  # (a loaded adapter's name: load() checks, on the loop)
-        raise _name_taken(name)
-    root = state.lora_dir.resolve()
-    try:
-        path = (root / body.get("lora_path", name)).resolve()
-    except (ValueError, OSError) as exc:  # e.g. a NUL byte, a symlink loop
-        raise APIError(f"lora_path is not a usable path: {exc}", "lora_path") from None
-    if not path.is_relative_to(root) or path == root:
-        raise APIError("lora_path must be a directory inside the server's --lora-dir", "lora_path")
-    return LoRARequest(name, str(path))
-
-
-def _add_lora_routes(app: FastAPI, state: ServerState) -> None:
-    """vLLM's adapter hot-load endpoints (404 unless the server has a lora_dir)."""
-
-    @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(request: Request) -> Response:
-        body = protocol.check_fields(await _json(request), protocol.LOAD_LORA_FIELDS)
-        adapter = _hot_adapter(state, body)
-
-        def load() -> None:  # on the loop thread: loads and unloads of one name take turns
-            if adapter.name in state.adapters:
-                raise _name_taken(adapter.name)
-            try:
-                state.engine.engine.load_lora(adapter)
-            except ValueError as exc:
-                raise APIError(str(exc), "lora_path") from None
-            state.adapters[adapter.name] = adapter
-
-        await state.engine.call(load)
-        return Response(f"Success: LoRA adapter '{adapter.name}' added successfully.")
-
-    @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(request: Request) -> Response:
-        body = protocol.check_fields(await _json(request), protocol.UNLOAD_LORA_FIELDS)
-        name = body.get("lora_name")
-        _check_hot_loading(state)
-
-        def unload() -> None:
-            if name not in state.adapters:
-                raise APIError(f"no adapter named {name!r} is loaded", "lora_name", status=404)
-            del state.adapters[name]  # new requests no longer find it; running ones keep it
-            with suppress(ValueError):  # the registry evicted it already (max_cpu_loras)
-                state.engine.engine.unload_lora(name)
-
-        await state.engine.call(unload)
-        return Response(f"Success: LoRA adapter '{name}' removed successfully.")
-
-
-async def _json(request: Request):
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(f"the request body is not valid JSON: {exc}") from None
-
-
-async def _completion_inputs(state: ServerState, body: dict):
+async def _completion_inputs(state: ServerState, body: dict, ticket: Ticket, width: int | None):
     """(prompts' token ids, sampling params, adapter, response context fields) of a
-    /v1/completions body. echo puts each prompt before its completions (with logprobs, the
-    prompt's too); max_tokens 0 then answers the prompt alone (one token is generated and
-    dropped, as vLLM does)."""
+    /v1/completions body, its requests (each prompt's n, or beam width) held on the ticket
+    before the prompts are tokenized. echo puts each prompt before its completions (with
+    logprobs, the prompt's too); max_tokens 0 then answers the prompt alone (one token is
+    generated and dropped, as vLLM does)."""
     if body.get("prompt") is None:
         raise APIError("prompt is required", "prompt")
     lora = state.lora_for(body.get("model"))
-    prompts = protocol.completion_prompts(body["prompt"])
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        state.admission.check_num_prompts(len(prompt))  # before a million are looked at
+    prompts = protocol.completion_prompts(prompt)
     echo, only = bool(body.get("echo")), body.get("max_tokens") == 0
     if only and not echo:
         raise APIError("max_tokens must be >= 1 (0 only with echo: the prompt alone)", "max_tokens")
-    ids = await asyncio.to_thread(_encode_all, state, prompts)
     logprobs, prompt_logprobs = body.get("logprobs"), body.get("prompt_logprobs")
     if echo and logprobs is not None:
         prompt_logprobs = max(logprobs, prompt_logprobs or 0)
@@ -243,6 +192,9 @@ async def _completion_inputs(state: ServerState, body: dict):
         prompt_logprobs=prompt_logprobs,
         max_tokens=1 if only else None,
     )
+    ticket.admit(len(prompts), width or params.n)
+    ids = await asyncio.to_thread(_encode_all, state, prompts)
+    ticket.add_tokens(sum(len(i) for i in ids) * (width or params.n))
     fields = {"with_prompt_logprobs": body.get("prompt_logprobs") is not None}
     if echo:
         fields["echoes"] = await asyncio.to_thread(_echoes, state, prompts, ids, only)
@@ -257,9 +209,10 @@ def _echoes(state: ServerState, prompts, ids, only: bool) -> list[Echo]:
     ]
 
 
-async def _chat_inputs(state: ServerState, body: dict):
+async def _chat_inputs(state: ServerState, body: dict, ticket: Ticket, width: int | None):
     """(the prompt's token ids, as one list, sampling params, adapter, response context
-    fields) of a chat body."""
+    fields) of a chat body, its requests (n, or beam width) held on the ticket before the
+    messages are tokenized."""
     lora = state.lora_for(body.get("model"))
     messages = protocol.check_messages(body.get("messages") or [])
     if not getattr(state.tokenizer, "chat_template", None):
@@ -271,6 +224,7 @@ async def _chat_inputs(state: ServerState, body: dict):
     # max_completion_tokens is OpenAI's newer name; it wins over max_tokens when both are given.
     max_tokens = body.get("max_completion_tokens")
     params = protocol.sampling_params(body, None, logprobs=logprobs, max_tokens=max_tokens)
+    ticket.admit(1, width or params.n)
     try:
         tools = Tools.parse(
             body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")
@@ -280,6 +234,7 @@ async def _chat_inputs(state: ServerState, body: dict):
         params = tools.apply(params) if tools else params
     except ValueError as exc:
         raise protocol.param_error(exc, body, "messages") from None
+    ticket.add_tokens(len(ids) * (width or params.n))
     return [ids], params, lora, {"tools": tools is not None and tools.choice != "none"}
 
 
@@ -302,26 +257,44 @@ def _check_max_tokens(state: ServerState, ids: list[list[int]], params, what: st
 
 
 async def _generate(state: ServerState, request: Request, kind: str) -> Response:
-    """Both generation endpoints: check the body, submit every prompt, answer whole or as a
+    """Both generation endpoints: check the body, hold its share of the server's admitted work
+    (429 past the limits) until the answer ends, submit every prompt, answer whole or as a
     stream of server-sent events."""
+    ticket = Ticket(state.admission)
+    try:
+        answer = await _answer(state, request, kind, ticket)
+    except BaseException:
+        ticket.release()
+        raise
+    if isinstance(answer, StreamingResponse):  # it releases the ticket as the stream ends
+        return answer
+    ticket.release()
+    return answer
+
+
+async def _answer(state: ServerState, request: Request, kind: str, ticket: Ticket) -> Response:
     is_chat = kind == "chat"
     fields = protocol.CHAT_FIELDS if is_chat else protocol.COMPLETION_FIELDS
-    body = protocol.check_fields(await _json(request), fields)
+    body = protocol.check_fields(await protocol.read_json(request), fields)
     if body.get("use_beam_search"):
-        return await _beam_search(state, request, body, kind)
+        return await _beam_search(state, request, body, kind, ticket)
     if not is_chat:
         protocol.refuse_unsupported(body)
     inputs = _chat_inputs if is_chat else _completion_inputs
-    ids, params, lora, fields = await inputs(state, body)
+    ids, params, lora, fields = await inputs(state, body, ticket, None)
     model = body.get("model") or state.model_name
     ctx = ResponseContext(kind, model, n=params.n, logprobs=params.logprobs, **fields)
+    ctx.with_cached_tokens = state.show_cached_tokens
     what = "messages" if is_chat else "prompt"
     _check_max_tokens(state, ids, params, what)
-    streams = await _add_all(state, ctx.id, ids, params, lora, body, what)
+    # With API keys, a request without a salt takes its key's: tenants share no KV unless
+    # their requests give the same cache_salt.
+    salt = body.get("cache_salt") or getattr(request.state, "tenant_salt", None)
+    streams = await _add_all(state, ctx.id, ids, params, lora, salt, body, what)
     with_spec_stats = bool(body.get("return_spec_stats"))
     if body.get("stream"):
         events = _sse(ctx, streams, protocol.include_usage(body), with_spec_stats)
-        return StreamingResponse(events, media_type="text/event-stream")
+        return _TicketedStream(events, ticket, media_type="text/event-stream")
     finals = await _collect_unless_disconnected(request, streams)
     if finals is None:
         return Response(status_code=499)  # nobody is listening
@@ -331,13 +304,30 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
     return JSONResponse(responses.final_response(ctx, finals, with_spec_stats))
 
 
-async def _beam_search(state: ServerState, request: Request, body: dict, kind: str) -> Response:
+class _TicketedStream(StreamingResponse):
+    """A stream that gives its request's admitted share back when it ends, however it ends
+    (its generator may never start: a client gone before the first byte)."""
+
+    def __init__(self, content, ticket: Ticket, **kwargs):
+        super().__init__(content, **kwargs)
+        self.ticket = ticket
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.ticket.release()
+
+
+async def _beam_search(
+    state: ServerState, request: Request, body: dict, kind: str, ticket: Ticket
+) -> Response:
     """vLLM's use_beam_search (whole responses only): the engine runs the beams, the n best of
     each prompt come back as its choices."""
     is_chat = kind == "chat"
     params = protocol.beam_params(body, None if is_chat else 16)
     inputs = _chat_inputs if is_chat else _completion_inputs
-    ids, _, lora, _ = await inputs(state, body)
+    ids, _, lora, _ = await inputs(state, body, ticket, params.beam_width)
     if lora is not None:
         raise APIError("use_beam_search runs on the base model only", "model")
     n = body.get("n") or 1
@@ -362,14 +352,14 @@ def request_failed(out: RequestOutput) -> APIError:
     return APIError(out.error, status=500, type="server_error")
 
 
-async def _add_all(state, request_id, ids, params, lora, body, what) -> list[RequestStream]:
+async def _add_all(state, request_id, ids, params, lora, salt, body, what) -> list[RequestStream]:
     """Submit every prompt (as request_id-0, -1, ...), or none: a refused one aborts those
     already added."""
     streams: list[RequestStream] = []
     try:
         for i, prompt in enumerate(ids):
             stream = await state.engine.add_request(
-                f"{request_id}-{i}", prompt, params, lora, cache_salt=body.get("cache_salt")
+                f"{request_id}-{i}", prompt, params, lora, cache_salt=salt
             )
             streams.append(stream)
     except BaseException as exc:
@@ -485,6 +475,7 @@ async def _sse(
         if with_usage:
             num_prompt_tokens = sum(len(out.prompt_token_ids) for out in last.values())
             cached = sum(out.num_cached_tokens for out in last.values())
+            cached = cached if ctx.with_cached_tokens else None
             tail["usage"] = responses.usage(num_prompt_tokens, num_completion_tokens, cached)
         if with_spec_stats:
             tail["speculation"] = responses.spec_stats(list(last.values()))

@@ -31,6 +31,7 @@ def smol(demo_adapters):
         speculative_method="ngram",
         enable_lora=True,
         max_model_len=2048,
+        show_cached_tokens=True,
     )
     with serving(build_app(state)) as url:
         yield url, state

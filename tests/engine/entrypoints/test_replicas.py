@@ -83,7 +83,7 @@ def test_bad_data_parallel_size_is_refused():
 
 def _per_replica(url: str, sample: str) -> dict[str, float]:
     """A sample's values in /metrics by its replica label."""
-    text = httpx.get(url + "/metrics").text
+    text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
     return {
         s.labels["replica"]: s.value
         for family in text_string_to_metric_families(text)
@@ -97,7 +97,7 @@ def deployment(app: str, policy: str, adapters=(), lora_dir=None):
     """Two replicas behind the OpenAI server; yields (URL, Replicas)."""
     replicas = Replicas.start(replica_config(), 2, list(adapters), policy=policy, app=app)
     loaded = {a.name: a for a in adapters}
-    state = ServerState(replicas, MODEL, loaded, api_key=API_KEY, lora_dir=lora_dir)
+    state = ServerState(replicas, MODEL, loaded, api_keys=(API_KEY,), lora_dir=lora_dir)
     try:
         with serving(build_app(state)) as url:
             yield url, replicas
@@ -191,7 +191,8 @@ def test_adapter_hot_load_reaches_every_replica(prefix, offline, demo_adapters):
 
 def _hit_tokens(url: str) -> tuple[float, float]:
     """(hit tokens, query tokens) summed over replicas (replica="all" in /metrics)."""
-    families = {f.name: f for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)}
+    text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
 
     def total(name: str) -> float:
         samples = families[name].samples

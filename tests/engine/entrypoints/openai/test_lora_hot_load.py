@@ -92,7 +92,10 @@ def test_load_serve_unload(hot, offline, demo_adapters):
         ({"lora_name": "x", "lora_path": "../../etc"}, 400, "lora_path", ["--lora-dir"]),
         ({"lora_name": "x", "lora_path": "/etc"}, 400, "lora_path", ["--lora-dir"]),
         ({"lora_name": "x", "lora_path": "."}, 400, "lora_path", ["--lora-dir"]),
-        ({"lora_name": "x", "lora_path": "missing"}, 400, "lora_path", ["missing"]),
+        ({"lora_name": "x", "lora_path": "missing"}, 400, "lora_path", ["<lora-dir>/missing"]),
+        ({"lora_name": "n" * 65}, 400, "lora_name", ["1 to 64 letters"]),
+        ({"lora_name": "a/b"}, 400, "lora_name", ["1 to 64 letters"]),
+        ({"lora_name": "a b"}, 400, "lora_name", ["1 to 64 letters"]),
         ({"lora_name": "x", "lora_path": "a\x00b"}, 400, "lora_path", ["not a usable path"]),
         ({"lora_name": MODEL}, 400, "lora_name", ["taken"]),
         ({"lora_path": "demo-lora-a"}, 400, "lora_name", ["required"]),
@@ -100,9 +103,10 @@ def test_load_serve_unload(hot, offline, demo_adapters):
     ],
 )
 def test_bad_loads_name_the_field(hot, body, status, param, words):
-    url, state, _ = hot
+    url, state, folder = hot
     r = post(url, "/v1/load_lora_adapter", body)
     assert r.status_code == status, r.text
+    assert str(folder.resolve()) not in r.text  # where adapters live is not the client's business
     error = r.json()["error"]
     assert error["param"] == param
     assert all(w in error["message"] for w in words), error
@@ -167,3 +171,29 @@ def test_unload_of_an_adapter_the_registry_evicted(demo_adapters):
             assert r.status_code == 200, r.text
         assert models(url) == [MODEL]
     state.engine.shutdown()
+
+
+def test_adapters_served_are_bounded_and_listed_without_paths(hot):
+    """A server lists at most max_adapters names (a load past them is refused), and
+    /v1/models' root is an adapter's name, never its path on the server's machine."""
+    url, state, folder = hot
+    state.max_adapters = 2
+    try:
+        for name in ("p", "q"):
+            body = {"lora_name": name, "lora_path": "demo-lora-a"}
+            assert post(url, "/v1/load_lora_adapter", body).status_code == 200
+        r = post(url, "/v1/load_lora_adapter", {"lora_name": "r", "lora_path": "demo-lora-a"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name"
+        assert "2 adapters are loaded" in r.json()["error"]["message"]
+        listed = httpx.get(url + "/v1/models", headers=HEADERS)
+        assert [(m["id"], m["root"]) for m in listed.json()["data"]] == [
+            (MODEL, MODEL),
+            ("p", "p"),
+            ("q", "q"),
+        ]
+        assert str(folder.resolve()) not in listed.text and str(folder) not in listed.text
+    finally:
+        state.max_adapters = 64
+        for name in ("p", "q"):
+            post(url, "/v1/unload_lora_adapter", {"lora_name": name})
+    assert models(url) == [MODEL]

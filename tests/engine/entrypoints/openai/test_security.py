@@ -1,6 +1,6 @@
 """Loading and serving defences: model code never runs (no trust_remote_code), weights only from
 safetensors with a clear error for corrupt or missing files, adapters only by configured name
-over HTTP, and /health turning 503 when the engine loop dies."""
+over HTTP, /health turning 503 when the engine loop dies, and deeply nested bodies refused."""
 
 from __future__ import annotations
 
@@ -97,3 +97,20 @@ def test_health_turns_503_when_the_loop_dies(tiny_server):
     assert again.status_code == 503
     snap = engine.snapshot()
     assert snap["num_free_blocks"] == snap["num_blocks"]
+
+
+@pytest.mark.parametrize(
+    "depth, status, words",
+    [(100, 200, None), (101, 400, "nests 101 levels deep; at most 100"), (100_000, 400, "far")],
+)
+def test_deeply_nested_json_is_a_400(tiny_server, depth, status, words):
+    """Nesting is bounded (100 levels): one past is a clear 400, and so is nesting deep enough
+    to overflow the parser's stack (a RecursionError: a 500 before)."""
+    url, _ = tiny_server
+    inner = "[" * (depth - 2) + "]" * (depth - 2)  # the body and metadata are two levels
+    body = '{"model": "tiny", "prompt": "hi", "max_tokens": 1, "metadata": {"x": ' + inner + "}}"
+    headers = {"Content-Type": "application/json"}
+    r = httpx.post(url + "/v1/completions", content=body, headers=headers, timeout=60)
+    assert r.status_code == status, r.text[:300]
+    if words:
+        assert words in r.json()["error"]["message"]

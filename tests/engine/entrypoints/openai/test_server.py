@@ -432,7 +432,7 @@ def test_metrics(smol, client):
     client.completions.create(
         model=MODEL, prompt="1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1,", max_tokens=16, temperature=0
     )
-    text = httpx.get(url + "/metrics").text
+    text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
     families = {f.name: f for f in text_string_to_metric_families(text)}
     for name in (
         "tandem_num_requests_running",

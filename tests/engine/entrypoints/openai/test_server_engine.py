@@ -162,7 +162,9 @@ def test_command_line_starts_and_answers(tiny_llama, command):
         models = [m.id for m in client.models.list().data]
         assert models[0] == str(tiny_llama)
         if command == "playground":  # the UI at / and the demo adapters as models
-            assert httpx.get(url + "/").status_code == 200
+            assert httpx.get(url + "/").status_code == 401  # the key covers the playground
+            keyed = httpx.get(url + "/", headers={"Authorization": f"Bearer {API_KEY}"})
+            assert keyed.status_code == 200
             assert models[1:] == ["demo-lora-a", "demo-lora-b"]
         r = client.completions.create(model=models[-1], prompt="abc", max_tokens=4)
         assert r.usage.completion_tokens == 4
