@@ -237,13 +237,14 @@ def _broken_merge_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    WINDOW: tl.constexpr,
     MODE: tl.constexpr,  # 0: every live split weighs the same; 1: earlier passes not rescaled
 ):
     """kernels.triton_attention._decode_merge_kernel with one deliberate mistake."""
     row = tl.program_id(0)
     seq_len = tl.load(seq_lens_ptr + row // num_heads)
-    num_blocks, per_split = _split_size(seq_len, num_splits, BLOCK_SIZE)
-    live = (num_blocks + per_split - 1) // per_split
+    first, end, per_split = _split_size(seq_len, num_splits, BLOCK_SIZE, WINDOW)
+    live = (end - first + per_split - 1) // per_split
     d = tl.arange(0, BLOCK_D)
     d_valid = d < HEAD_DIM
     top = float("-inf")
@@ -346,6 +347,100 @@ def test_split_decode_merges_more_splits_than_one_tile(monkeypatch):
     broken = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 1.0, num_splits)
     assert close(broken[0], want[0])  # no context: nothing to rescale
     assert not close(broken[1], want[1]) and not close(broken[2], want[2])
+
+
+# Sliding windows (kernels.reference.causal_mask: a query at p sees keys p - W < k <= p).
+# (q_lens, ctx_lens): prefill chunks over several query tiles (16 tokens each at 6/2 heads of
+# dim 64), decodes and a verification, contexts far past the smaller windows.
+WINDOW_CASES = [([20, 1, 4, 1], [12, 47, 32, 1]), ([33, 3], [70, 90])]
+WINDOWS = [1, 5, 16, 40, 1000]  # 1000: more than any context
+
+
+def windowed_batch(q_lens, ctx_lens, block_size, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return ragged_batch(q_lens, ctx_lens, 6, 2, 64, block_size, gen, torch.float32)
+
+
+@pytest.mark.parametrize(("q_lens", "ctx_lens"), WINDOW_CASES)
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_windowed_paged_attention_equals_reference(q_lens, ctx_lens, window, block_size):
+    q, k_cache, v_cache, tables, starts, seq_lens = windowed_batch(
+        q_lens, ctx_lens, block_size, window + block_size
+    )
+    args = (tables, starts, seq_lens, 0.125)
+    got = paged_attention(q, k_cache, v_cache, *args, max(q_lens), window)
+    want = reference.varlen_paged_attention(q, k_cache, v_cache, *args, window)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+DECODE_CTX_LENS = [0, 15, 16, 47, 100, 300]
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_windowed_split_decode_equals_reference(num_splits, window, block_size):
+    """The splits cover the window's blocks only; None: the launcher's count, at most the
+    blocks a window can touch."""
+    from kernels.triton_decode import paged_decode_attention
+
+    q, k_cache, v_cache, tables, starts, seq_lens = windowed_batch(
+        [1] * len(DECODE_CTX_LENS), DECODE_CTX_LENS, block_size, (num_splits or 0) + window
+    )
+    got = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125, num_splits, window)
+    want = reference.varlen_paged_attention(
+        q, k_cache, v_cache, tables, starts, seq_lens, 0.125, window
+    )
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def windowed_runs(window):
+    """(kernel at a window, reference at `window`) for a prefill batch and a decode batch."""
+    from kernels.triton_decode import paged_decode_attention
+
+    prefill = windowed_batch([33, 3], [70, 90], 16, 1)
+    decode = windowed_batch([1] * 3, [47, 100, 300], 16, 2)
+
+    def run(batch, w):
+        q, k_cache, v_cache, tables, starts, seq_lens = batch
+        if batch is decode:
+            return paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125, 3, w)
+        return paged_attention(q, k_cache, v_cache, tables, starts, seq_lens, 0.125, 33, w)
+
+    def want(batch):
+        q, k_cache, v_cache, tables, starts, seq_lens = batch
+        return reference.varlen_paged_attention(
+            q, k_cache, v_cache, tables, starts, seq_lens, 0.125, window
+        )
+
+    return [(lambda w, b=b: run(b, w), want(b), b) for b in (prefill, decode)]
+
+
+def test_windowed_kernels_reject_a_wrong_window():
+    """The comparison above holds the window exactly: the kernels with the window off, or one
+    key wider, fail it."""
+    for run, want, _ in windowed_runs(5):
+        assert close(run(5), want)
+        assert not close(run(None), want)
+        assert not close(run(6), want)
+
+
+def test_windowed_kernels_skip_the_blocks_before_the_window():
+    """Blocks wholly before every query's window are never read: poisoning them (NaN) changes
+    nothing, while the kernels with no window read them (NaN out)."""
+    window = 5
+    for run, _, batch in windowed_runs(window):
+        clean = run(window)
+        _, k_cache, v_cache, tables, starts, seq_lens = batch
+        q_lens = starts.diff()
+        for b, (seq_len, q_len) in enumerate(zip(seq_lens.tolist(), q_lens.tolist(), strict=True)):
+            first_key = seq_len - q_len - window + 1  # the request's first query's first key
+            for block in tables[b, : max(first_key, 0) // 16].tolist():
+                k_cache[:, block] = float("nan")
+                v_cache[:, block] = float("nan")
+        assert torch.equal(run(window), clean)
+        assert run(None).isnan().any()
 
 
 @pytest.mark.gpu
