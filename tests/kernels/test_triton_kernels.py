@@ -196,14 +196,62 @@ def test_engine_sampled_equal_with_triton_backend(tiny_llama):
     assert 0 < s.num_accepted < s.num_drafts
 
 
+@pytest.fixture(scope="module")
+def tiny_gemma3(tmp_path_factory):
+    """Two layers, a sliding one (window 8) then a full one. Its own LM head: with the tied one
+    two layers mostly echo the input token, so the window would not show in the greedy ids."""
+    from models import make_tiny_model
+
+    return make_tiny_model(
+        tmp_path_factory.mktemp("gemma3"),
+        "gemma3",
+        head_dim=32,
+        sliding_window=8,
+        query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention"],
+        tie_word_embeddings=False,
+    )
+
+
+@pytest.mark.parametrize("static_buffers", [False, True], ids=["eager", "static-buffers"])
+def test_gemma3_greedy_equals_hf_with_triton_backend(tiny_gemma3, static_buffers):
+    """Gemma 3's per-layer windows on the Triton backend (interpreter on CPU): HF's greedy ids
+    through chunked prefill (16-token budget), a 40-token context past its 8-key window at
+    16-token blocks, and decodes, eagerly or from the padded static buffers (as CUDA graphs)."""
+    from transformers import AutoModelForCausalLM
+
+    from engine import LLM, SamplingParams
+    from models import hf_greedy
+
+    new_tokens = 6
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (40, 9, 1)]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_gemma3, dtype=torch.float32)
+    want = [hf_greedy(hf, p, new_tokens) for p in prompts]
+    llm = LLM(
+        str(tiny_gemma3),
+        num_kv_blocks=32,
+        max_num_batched_tokens=16,
+        attention_backend="triton",
+    )
+    runner = llm.engine.runner
+    assert runner.backend.name == "triton" and runner.cfg.windows == (8, None)
+    if static_buffers:
+        runner.use_graphs(4, llm.engine.max_model_len, 1)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, min_tokens=new_tokens)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert not static_buffers or runner.graphs.num_replays > 0
+
+
 def test_backend_choice():
     from engine.backends import resolve_backend
 
-    assert resolve_backend("auto", None).name == "torch"  # the engine runs on CPU today
+    assert resolve_backend("auto").name == "torch"  # the engine runs on CPU today
+    assert resolve_backend("auto", "cuda").name == "triton"  # sliding windows or not
+    assert resolve_backend("triton").name == "triton"  # TRITON_INTERPRET: conftest
     with pytest.raises(ValueError, match="attention_backend must be one of"):
-        resolve_backend("flash", None)
-    with pytest.raises(ValueError, match="sliding_window"):
-        resolve_backend("triton", 4096)
+        resolve_backend("flash")
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 16, None])
