@@ -474,6 +474,7 @@ def test_windowed_kernels_reject_a_wrong_window():
         assert not close(run(6), want)
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter on the NaN blocks
 def test_windowed_kernels_skip_the_blocks_before_the_window():
     """Blocks wholly before every query's window are never read: poisoning them (NaN) changes
     nothing, while the kernels with no window read them (NaN out)."""
