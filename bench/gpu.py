@@ -12,8 +12,8 @@ synchronize for whole runs; model loading and warm-up are excluded.
 - copy: device-to-device copy of 1 GiB, bandwidth = bytes read + written / time (the roofline).
 - attention: `paged_decode_attention` at 32 requests x contexts 1k..32k (1B's heads: 32 query,
   8 KV, dim 64; scattered blocks of 16), bandwidth = K/V bytes read / time, against copy; the
-  same with a 4x wider block table (a CUDA graph's), and verification (1 + 4 queries per
-  request, `paged_attention`).
+  same with a 4x wider block table (a CUDA graph's), in a 512-key sliding window (bytes: the
+  window's), and verification (1 + 4 queries per request, `paged_attention`).
 - lora: one decode step's projections of every layer (1B) at 64 rows, base only vs. base plus the
   SGMV kernels (lora.batch.KernelLoRABatch, the Triton path) with 8 distinct rank-16 adapters on
   all seven projections, 8 rows each.

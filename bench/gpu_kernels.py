@@ -12,11 +12,14 @@ import torch
 from bench import gpu_common as common
 from bench.gpu_common import SIZES, do_bench
 
+WINDOW = 512  # the windowed decode's sliding window
+
 
 def bench_attention(copy_bw: float, quick: bool) -> dict:
     """Per context: decode (one query per request), decode with the block table 4x wider (as a
-    CUDA graph's, sized for the longest context allowed), and verification (1 + 4 queries per
-    request, the varlen kernel): K/V bytes read once over time, against copy bandwidth."""
+    CUDA graph's, sized for the longest context allowed), decode in a 512-key sliding window
+    (only its blocks are read), and verification (1 + 4 queries per request, the varlen kernel):
+    the K/V bytes each must read, once, over time, against copy bandwidth."""
     from kernels.triton_attention import paged_attention
     from kernels.triton_decode import paged_decode_attention
 
@@ -42,11 +45,15 @@ def bench_attention(copy_bw: float, quick: bool) -> dict:
         runs = {
             "decode": partial(decode, q, k_cache, v_cache, tables, seq_lens, scale),
             "decode_wide_table": partial(decode, q, k_cache, v_cache, wide, seq_lens, scale),
+            "decode_window": partial(
+                decode, q, k_cache, v_cache, tables, seq_lens, scale, sliding_window=WINDOW
+            ),
             "verify": partial(verify, qv, k_cache, v_cache, tables, starts, seq_lens, scale, 5),
         }
-        kv_bytes = 2 * num_reqs * ctx * hkv * dim * dtype.itemsize  # K and V, read once
         out[ctx] = {}
         for kind, fn in runs.items():
+            keys = min(ctx, WINDOW) if kind == "decode_window" else ctx
+            kv_bytes = 2 * num_reqs * keys * hkv * dim * dtype.itemsize  # K and V, read once
             ms = do_bench(fn)
             gbs = kv_bytes / ms / 1e6
             out[ctx][kind] = {

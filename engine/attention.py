@@ -97,6 +97,7 @@ class VarlenAttention:
     seq_lens: torch.Tensor  # [B] int32
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with the null block
     max_query_len: int
+    sliding_window: int | None = None  # a query at p sees keys p - window < k <= p
 
     def attend(self, q, k, v, k_cache, v_cache, scale: float) -> torch.Tensor:
         """As BucketedAttention.attend, in Triton kernels."""
@@ -105,7 +106,13 @@ class VarlenAttention:
         triton_attention.store_kv(k_cache, v_cache, k, v, self.slot_mapping)
         if self.max_query_len == 1:  # decodes only: contexts split across programs
             return triton_decode.paged_decode_attention(
-                q, k_cache, v_cache, self.block_tables, self.seq_lens, scale
+                q,
+                k_cache,
+                v_cache,
+                self.block_tables,
+                self.seq_lens,
+                scale,
+                sliding_window=self.sliding_window,
             )
         return triton_attention.paged_attention(
             q.contiguous(),
@@ -116,6 +123,7 @@ class VarlenAttention:
             self.seq_lens,
             scale,
             self.max_query_len,
+            self.sliding_window,
         )
 
 
@@ -245,13 +253,15 @@ def varlen_metadata(
     block_tables: list[list[int]],
     slot_mapping: torch.Tensor,
     block_size: int,
-    sliding_window: int | None = None,  # (the kernels have no sliding window: refused earlier)
+    sliding_window: int | None = None,
 ) -> VarlenAttention:
     """The Triton kernels' layout (a Layout)."""
     tables = _padded_tables(block_tables, seq_lens, block_size)
     starts = host_tensor([0, *itertools.accumulate(query_lens)], torch.int32)
     seq_lens_t = host_tensor(seq_lens, torch.int32)
-    return VarlenAttention(slot_mapping, starts, seq_lens_t, tables, max(query_lens))
+    return VarlenAttention(
+        slot_mapping, starts, seq_lens_t, tables, max(query_lens), sliding_window
+    )
 
 
 def row_metadata(

@@ -78,22 +78,17 @@ def triton_backend() -> Backend:
     )
 
 
-def resolve_backend(
-    name: str, sliding_window: int | None, device: torch.device | str = "cpu"
-) -> Backend:
+def resolve_backend(name: str, device: torch.device | str = "cpu") -> Backend:
     """ "auto": Triton on CUDA, else the torch reference; "triton" on CPU needs
     TRITON_INTERPRET=1 (triton's interpreter)."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
     on_cuda = torch.device(device).type == "cuda"
     if name == "auto":
-        name = "triton" if on_cuda and sliding_window is None else "torch"
-    elif name == "triton":
-        if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(
-                "attention_backend='triton' needs a CUDA device or TRITON_INTERPRET=1 (set "
-                "before triton is imported)"
-            )
-        if sliding_window is not None:
-            raise ValueError("attention_backend='triton' does not support sliding_window yet")
+        name = "triton" if on_cuda else "torch"
+    elif name == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "attention_backend='triton' needs a CUDA device or TRITON_INTERPRET=1 (set before "
+            "triton is imported)"
+        )
     return triton_backend() if name == "triton" else TORCH

@@ -52,10 +52,12 @@ class GraphRunner:
         max_num_seqs: int,
         max_model_len: int,
         max_query_len: int,  # 1 + the most drafts a request verifies in one step
+        windows: tuple[int | None, ...],  # the layers' attention windows (ModelConfig.windows)
         capture: bool,
     ):
         device = kv_caches.device
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
+        self.windows = windows
         self.sizes = batch_sizes(max_num_seqs)
         self.max_query_len = max_query_len
         self.max_seq_len = max_model_len + max_query_len  # padding tokens may run past the end
@@ -125,13 +127,16 @@ class GraphRunner:
 
     def _run(self, num_reqs: int, q: int) -> torch.Tensor:  # [num_reqs * q, hidden]
         num_tokens = num_reqs * q
-        meta = VarlenAttention(
+        buffers = (
             self.slot_mapping[:num_tokens],
             self.query_start_loc[q][: num_reqs + 1],
             self.seq_lens[:num_reqs],
             self.block_tables[:num_reqs],
-            max_query_len=q,
+            q,
         )
+        # As Backend.metadata: one layout, or one per window when the layers' windows differ.
+        metas = {w: VarlenAttention(*buffers, sliding_window=w) for w in self.windows}
+        meta = metas if len(metas) > 1 else metas[self.windows[0]]
         return self.model(
             self.input_ids[:num_tokens], self.positions[:num_tokens], self.kv_caches, meta
         )

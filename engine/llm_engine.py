@@ -108,7 +108,7 @@ class LLMEngine:
 
     def _runner(self, model, cfg, num_blocks: int) -> ModelRunner:
         config = self.config
-        backend = resolve_backend(config.attention_backend, cfg.sliding_window, config.torch_device)
+        backend = resolve_backend(config.attention_backend, config.torch_device)
         runner = ModelRunner(model, cfg, num_blocks, config.block_size, backend)
         if config.enable_lora:
             runner.lora_slots = LoRASlots(

@@ -236,6 +236,7 @@ class ModelRunner:
             max_num_seqs,
             max_model_len,
             max_query_len,
+            self.cfg.windows,
             capture=self.device.type == "cuda",
         )
 

@@ -107,9 +107,10 @@ def varlen_paged_attention(
     query_start_loc: torch.Tensor,  # [B + 1] int
     seq_lens: torch.Tensor,  # [B] int, new tokens included
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """The reference of kernels.triton_attention.paged_attention: request by request, causal
-    over its context plus its new tokens."""
+    (within the sliding window, if any) over its context plus its new tokens."""
     out = torch.empty_like(q)
     block_size = k_cache.shape[2]
     starts = query_start_loc.tolist()
@@ -118,7 +119,7 @@ def varlen_paged_attention(
         if hi == lo:
             continue
         blocks = block_tables[b, : -(-seq_len // block_size)].long()
-        mask = causal_mask(seq_len - (hi - lo), hi - lo, device=q.device)
+        mask = causal_mask(seq_len - (hi - lo), hi - lo, sliding_window, q.device)
         out[lo:hi] = prefill_attention(q[lo:hi], k_cache, v_cache, blocks, seq_len, mask, scale)
     return out
 

@@ -10,6 +10,9 @@ head_dim]; slot = block * block_size + offset; block 0 is the null block.
   chunks (many queries); GQA. One program per (request, query tile, KV head) serving every
   query head of the group; it walks the request's blocks with an online softmax and stops at
   the last key its queries may see.
+- A sliding window W (a constexpr; 0: none, compiled away): a query at position p sees the keys
+  at p - W < k <= p (kernels.reference.causal_mask), and a program starts at the block holding
+  its first query's first visible key, so a long context costs only the window.
 
 Split-KV decode (one query per request) is in kernels/triton_decode.py.
 """
@@ -46,6 +49,15 @@ def _check_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         )
     if block_size & (block_size - 1) or block_size < 16:
         raise ValueError(f"block_size must be a power of two >= 16, got {block_size}")
+
+
+def check_window(sliding_window: int | None) -> int:
+    """The kernels' WINDOW constexpr: 0 for no window."""
+    if sliding_window is None:
+        return 0
+    if sliding_window < 1:
+        raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
+    return sliding_window
 
 
 @triton.jit
@@ -126,9 +138,11 @@ def _attend_block(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,  # tl.dot's: "ieee" for a float32 cache (no TF32 rounding)
+    WINDOW: tl.constexpr,  # sliding window, 0: none
 ):
-    """One block of keys into the running softmax: keys past seq_len or after a row's own
-    position are hidden. `block` is int64: offsets into a layer's cache can pass 2^31."""
+    """One block of keys into the running softmax: keys past seq_len, after a row's own
+    position or (WINDOW > 0) at or before its position - WINDOW are hidden. `block` is int64:
+    offsets into a layer's cache can pass 2^31."""
     offs = tl.arange(0, BLOCK_SIZE)
     d = tl.arange(0, BLOCK_D)
     k_pos = j * BLOCK_SIZE + offs
@@ -139,6 +153,8 @@ def _attend_block(
     v = tl.load(v_cache_ptr + base, mask=kv_mask, other=0.0).to(tl.float32)
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [ROWS, BLOCK_SIZE]
     visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < seq_len)
+    if WINDOW > 0:
+        visible &= k_pos[None, :] > q_pos[:, None] - WINDOW
     scores = tl.where(visible, scores, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(scores, axis=1))
     # Rows that have seen nothing yet keep a max of -inf: guard the exponentials.
@@ -168,6 +184,7 @@ def _attend_blocks(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     """The online softmax over a run of the request's blocks: (row max, row sum, unnormalised
     output [ROWS, BLOCK_D]); a row that saw no key has sum 0."""
@@ -194,6 +211,7 @@ def _attend_blocks(
             HEAD_DIM,
             BLOCK_D,
             PRECISION,
+            WINDOW,
         )
     return row_max, row_sum, acc
 
@@ -219,6 +237,7 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,  # query tokens per program
     PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr,  # sliding window, 0: none
 ):
     """One program per (request, tile of BLOCK_M query tokens, KV head): its rows are every
     (token, query head of the group) pair, so each block of K/V is read once for the whole
@@ -242,13 +261,16 @@ def _paged_attention_kernel(
         q_pos = context_len + m  # absolute positions of the queries
         # Keys up to the last query's position: the tile's causal horizon.
         last = tl.minimum(context_len + (tile + 1) * BLOCK_M, seq_len)
+        first = 0
+        if WINDOW > 0:  # from the block of the first query's first visible key
+            first = tl.maximum(context_len + tile * BLOCK_M - WINDOW + 1, 0) // BLOCK_SIZE
         _, row_sum, acc = _attend_blocks(
             q,
             q_pos,
             k_cache_ptr,
             v_cache_ptr,
             block_tables_ptr + req * stride_bt,
-            0,
+            first,
             (last + BLOCK_SIZE - 1) // BLOCK_SIZE,
             kv_head,
             stride_ch,
@@ -259,6 +281,7 @@ def _paged_attention_kernel(
             HEAD_DIM,
             BLOCK_D,
             PRECISION,
+            WINDOW,
         )
         out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
         tl.store(out_ptr + offsets + d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -273,6 +296,7 @@ def paged_attention(
     seq_lens: torch.Tensor,  # [B] int: tokens with KV in the cache, the new ones included
     scale: float,
     max_query_len: int,
+    sliding_window: int | None = None,  # a query at p sees keys p - window < k <= p
 ) -> torch.Tensor:  # [T, Hq, D]
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_cache.shape
@@ -283,6 +307,7 @@ def paged_attention(
             f"query_start_loc must be [{num_reqs + 1}] and seq_lens [{num_reqs}], got "
             f"{tuple(query_start_loc.shape)}, {tuple(seq_lens.shape)}"
         )
+    window = check_window(sliding_window)
     out = torch.empty_like(q)
     if num_tokens == 0 or num_reqs == 0:
         return out
@@ -310,6 +335,7 @@ def paged_attention(
         BLOCK_D=block_d,
         BLOCK_M=block_m,
         PRECISION=dot_precision(k_cache.dtype),
+        WINDOW=window,
     )
     return out
 

@@ -1,7 +1,8 @@
 """Split-KV decode attention over the paged KV cache (kernels/triton_attention.py's layout):
 one query per request, each context split across programs and merged by log-sum-exp; one
 program serves all query heads of a KV head. The number of splits follows the batch's shape,
-each split's length the request's context. Reference: kernels/reference.py.
+each split's length the request's context, or under a sliding window W (a constexpr, 0: none)
+the blocks that hold its last W keys. Reference: kernels/reference.py.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_attention import _attend_blocks, _check_attention
+from kernels.triton_attention import _attend_blocks, _check_attention, check_window
 from kernels.triton_common import dot_precision
 
 # Split-KV decode: how many (request, KV head, split) programs to aim for (a few per SM slot of
@@ -22,12 +23,16 @@ MERGE_SPLITS = 32
 
 
 @triton.jit
-def _split_size(seq_len, num_splits, BLOCK_SIZE: tl.constexpr):
-    """(the request's blocks, blocks per split): its blocks cut into num_splits runs of equal
-    length, so a split's work follows the request's context, not the width of the block table
-    (a CUDA graph's table is as wide as the longest context allowed)."""
-    num_blocks = (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE
-    return num_blocks, tl.maximum((num_blocks + num_splits - 1) // num_splits, 1)
+def _split_size(seq_len, num_splits, BLOCK_SIZE: tl.constexpr, WINDOW: tl.constexpr):
+    """(first block, end block, blocks per split): the request's blocks that the decode query
+    sees (all of them, or from the one holding key seq_len - WINDOW), cut into num_splits runs
+    of equal length, so a split's work follows the request's context, not the width of the
+    block table (a CUDA graph's table is as wide as the longest context allowed)."""
+    end = (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE
+    first = 0
+    if WINDOW > 0:
+        first = tl.maximum(seq_len - WINDOW, 0) // BLOCK_SIZE
+    return first, end, tl.maximum((end - first + num_splits - 1) // num_splits, 1)
 
 
 @triton.jit
@@ -51,14 +56,15 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr,  # sliding window, 0: none
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
-    num_blocks, per_split = _split_size(seq_len, num_splits, BLOCK_SIZE)
-    first = split * per_split
-    last = tl.minimum(first + per_split, num_blocks)
+    start, end, per_split = _split_size(seq_len, num_splits, BLOCK_SIZE, WINDOW)
+    first = start + split * per_split
+    last = tl.minimum(first + per_split, end)
     if first < last:  # splits past the request's blocks store nothing; the merge skips them
         g = tl.arange(0, BLOCK_G)
         g_valid = g < GROUP
@@ -88,8 +94,10 @@ def _decode_split_kernel(
             HEAD_DIM,
             BLOCK_D,
             PRECISION,
+            WINDOW,
         )
-        # Every key of a live split is visible to the decode query: row_sum > 0.
+        # Each live split holds a key the decode query sees (the first split's first block holds
+        # the window's first key): row_sum > 0.
         row = (req * tl.num_programs(1) * GROUP + heads) * num_splits + split
         tl.store(
             part_out_ptr + row[:, None] * HEAD_DIM + d[None, :],
@@ -111,13 +119,14 @@ def _decode_merge_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_S: tl.constexpr,  # splits merged per iteration
+    WINDOW: tl.constexpr,
 ):
     """The live splits' outputs weighted by their share of the softmax, BLOCK_S splits at a
     time with a running maximum (a long context's many splits in one tile would spill)."""
     row = tl.program_id(0)  # b * Hq + h
     seq_len = tl.load(seq_lens_ptr + row // num_heads)
-    num_blocks, per_split = _split_size(seq_len, num_splits, BLOCK_SIZE)
-    live = (num_blocks + per_split - 1) // per_split  # splits that stored a result
+    first, end, per_split = _split_size(seq_len, num_splits, BLOCK_SIZE, WINDOW)
+    live = (end - first + per_split - 1) // per_split  # splits that stored a result
     d = tl.arange(0, BLOCK_D)
     d_valid = d < HEAD_DIM
     top = float("-inf")  # the largest log-sum-exp so far
@@ -158,6 +167,7 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [B] int, >= 1 (the query's own key included)
     scale: float,
     num_splits: int | None = None,  # default: decode_splits
+    sliding_window: int | None = None,  # the query at p sees keys p - window < k <= p
 ) -> torch.Tensor:  # [B, Hq, D]
     """Decode attention with each request's context cut into num_splits runs of blocks, one
     program each, the partial results merged by their log-sum-exp: long contexts use many
@@ -170,8 +180,12 @@ def paged_decode_attention(
             f"block_tables must be [{num_reqs}, max_blocks] and seq_lens [{num_reqs}], got "
             f"{tuple(block_tables.shape)}, {tuple(seq_lens.shape)}"
         )
+    window = check_window(sliding_window)
     if num_splits is None:
-        num_splits = decode_splits(num_reqs, num_kv_heads, block_tables.shape[1])
+        max_blocks = block_tables.shape[1]
+        if window:  # the most blocks a window's keys can touch
+            max_blocks = min(max_blocks, (window + block_size - 2) // block_size + 1)
+        num_splits = decode_splits(num_reqs, num_kv_heads, max_blocks)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     out = torch.empty_like(q)
@@ -202,6 +216,7 @@ def paged_decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         PRECISION=dot_precision(k_cache.dtype),
+        WINDOW=window,
     )
     _decode_merge_kernel[(num_reqs * num_heads,)](
         part_out,
@@ -214,5 +229,6 @@ def paged_decode_attention(
         BLOCK_D=block_d,
         BLOCK_SIZE=block_size,
         BLOCK_S=min(MERGE_SPLITS, max(2, triton.next_power_of_2(num_splits))),
+        WINDOW=window,
     )
     return out

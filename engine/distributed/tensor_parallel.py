@@ -215,7 +215,7 @@ def worker(port: int, rank: int) -> None:
     group = Group(store, rank, world)
     model, cfg, _ = load_target(config, group)
     _, num_blocks = group.broadcast()
-    backend = resolve_backend(config.attention_backend, cfg.sliding_window, config.torch_device)
+    backend = resolve_backend(config.attention_backend, config.torch_device)
     runner = ModelRunner(model, local_config(cfg, world), num_blocks, config.block_size, backend)
     slots, hidden = None, None  # hidden: the last forward's [N, hidden] (for "logits")
     if config.enable_lora:

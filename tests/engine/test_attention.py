@@ -31,19 +31,28 @@ def dense_attention(q, k, v, q_positions, scale, sliding_window=None):
     return torch.einsum("hts,shd->thd", scores.softmax(-1), v)
 
 
-def run_paged(seq_lens, query_lens, num_heads, num_kv_heads, sliding_window, seed):
+def run_paged(
+    seq_lens,
+    query_lens,
+    num_heads,
+    num_kv_heads,
+    sliding_window,
+    seed,
+    layout=bucketed_metadata,
+    block_size=BLOCK_SIZE,
+):
     """Scatter random K/V for every request into shuffled blocks, attend, compare per request."""
     gen = torch.Generator().manual_seed(seed)
     head_dim = 8
-    num_blocks = 1 + sum(-(-s // BLOCK_SIZE) for s in seq_lens) + 3
-    k_cache = torch.zeros(num_kv_heads, num_blocks, BLOCK_SIZE, head_dim)
+    num_blocks = 1 + sum(-(-s // block_size) for s in seq_lens) + 3
+    k_cache = torch.zeros(num_kv_heads, num_blocks, block_size, head_dim)
     v_cache = torch.zeros_like(k_cache)
     free = list(range(1, num_blocks))
     random.Random(seed).shuffle(free)
 
     tables, keys, values, slots, queries, news_k, news_v = [], [], [], [], [], [], []
     for seq_len, num_new in zip(seq_lens, query_lens, strict=True):
-        table = [free.pop() for _ in range(-(-seq_len // BLOCK_SIZE))]
+        table = [free.pop() for _ in range(-(-seq_len // block_size))]
         tables.append(table)
         k = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen)
         v = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen)
@@ -51,19 +60,17 @@ def run_paged(seq_lens, query_lens, num_heads, num_kv_heads, sliding_window, see
         values.append(v)
         context = seq_len - num_new
         for p in range(context):  # context already in the cache
-            slot = table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
-            k_cache[:, slot // BLOCK_SIZE, slot % BLOCK_SIZE] = k[p]
-            v_cache[:, slot // BLOCK_SIZE, slot % BLOCK_SIZE] = v[p]
+            slot = table[p // block_size] * block_size + p % block_size
+            k_cache[:, slot // block_size, slot % block_size] = k[p]
+            v_cache[:, slot // block_size, slot % block_size] = v[p]
         slots += [
-            table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(context, seq_len)
+            table[p // block_size] * block_size + p % block_size for p in range(context, seq_len)
         ]
         queries.append(torch.randn(num_new, num_heads, head_dim, generator=gen))
         news_k.append(k[context:])
         news_v.append(v[context:])
 
-    meta = bucketed_metadata(
-        seq_lens, query_lens, tables, torch.tensor(slots), BLOCK_SIZE, sliding_window
-    )
+    meta = layout(seq_lens, query_lens, tables, torch.tensor(slots), block_size, sliding_window)
     scale = head_dim**-0.5
     out = meta.attend(
         torch.cat(queries), torch.cat(news_k), torch.cat(news_v), k_cache, v_cache, scale
@@ -87,6 +94,18 @@ def test_mixed_batch_matches_dense(num_heads, num_kv_heads, sliding_window):
     meta = run_paged(seq_lens, query_lens, num_heads, num_kv_heads, sliding_window, seed=0)
     assert len(meta.prefills) == 1  # the 20-token chunk
     assert {b.num_queries for b in meta.buckets} == {1, 3, 4, 6}
+
+
+@pytest.mark.parametrize("sliding_window", [None, 5, 20])
+@pytest.mark.parametrize("query_lens", [[1, 1, 1, 1], [1, 3, 20, 1]], ids=["decode", "mixed"])
+def test_varlen_layout_matches_dense(sliding_window, query_lens):
+    """The Triton kernels' layout (Triton's interpreter on CPU) carries the layers' window to
+    both kernels: split decode when every query is one token, else the varlen kernel."""
+    from engine.attention import varlen_metadata
+
+    seq_lens = [1, 17, 60, 90]
+    meta = run_paged(seq_lens, query_lens, 4, 2, sliding_window, 0, varlen_metadata, 16)
+    assert meta.sliding_window == sliding_window
 
 
 def test_random_batches_match_dense():

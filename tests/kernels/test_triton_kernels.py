@@ -196,14 +196,62 @@ def test_engine_sampled_equal_with_triton_backend(tiny_llama):
     assert 0 < s.num_accepted < s.num_drafts
 
 
+@pytest.fixture(scope="module")
+def tiny_gemma3(tmp_path_factory):
+    """Two layers, a sliding one (window 8) then a full one. Its own LM head: with the tied one
+    two layers mostly echo the input token, so the window would not show in the greedy ids."""
+    from models import make_tiny_model
+
+    return make_tiny_model(
+        tmp_path_factory.mktemp("gemma3"),
+        "gemma3",
+        head_dim=32,
+        sliding_window=8,
+        query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention"],
+        tie_word_embeddings=False,
+    )
+
+
+@pytest.mark.parametrize("static_buffers", [False, True], ids=["eager", "static-buffers"])
+def test_gemma3_greedy_equals_hf_with_triton_backend(tiny_gemma3, static_buffers):
+    """Gemma 3's per-layer windows on the Triton backend (interpreter on CPU): HF's greedy ids
+    through chunked prefill (16-token budget), a 40-token context past its 8-key window at
+    16-token blocks, and decodes, eagerly or from the padded static buffers (as CUDA graphs)."""
+    from transformers import AutoModelForCausalLM
+
+    from engine import LLM, SamplingParams
+    from models import hf_greedy
+
+    new_tokens = 6
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (40, 9, 1)]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_gemma3, dtype=torch.float32)
+    want = [hf_greedy(hf, p, new_tokens) for p in prompts]
+    llm = LLM(
+        str(tiny_gemma3),
+        num_kv_blocks=32,
+        max_num_batched_tokens=16,
+        attention_backend="triton",
+    )
+    runner = llm.engine.runner
+    assert runner.backend.name == "triton" and runner.cfg.windows == (8, None)
+    if static_buffers:
+        runner.use_graphs(4, llm.engine.max_model_len, 1)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, min_tokens=new_tokens)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert not static_buffers or runner.graphs.num_replays > 0
+
+
 def test_backend_choice():
     from engine.backends import resolve_backend
 
-    assert resolve_backend("auto", None).name == "torch"  # the engine runs on CPU today
+    assert resolve_backend("auto").name == "torch"  # the engine runs on CPU today
+    assert resolve_backend("auto", "cuda").name == "triton"  # sliding windows or not
+    assert resolve_backend("triton").name == "triton"  # TRITON_INTERPRET: conftest
     with pytest.raises(ValueError, match="attention_backend must be one of"):
-        resolve_backend("flash", None)
-    with pytest.raises(ValueError, match="sliding_window"):
-        resolve_backend("triton", 4096)
+        resolve_backend("flash")
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 16, None])
@@ -237,13 +285,14 @@ def _broken_merge_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    WINDOW: tl.constexpr,
     MODE: tl.constexpr,  # 0: every live split weighs the same; 1: earlier passes not rescaled
 ):
     """kernels.triton_attention._decode_merge_kernel with one deliberate mistake."""
     row = tl.program_id(0)
     seq_len = tl.load(seq_lens_ptr + row // num_heads)
-    num_blocks, per_split = _split_size(seq_len, num_splits, BLOCK_SIZE)
-    live = (num_blocks + per_split - 1) // per_split
+    first, end, per_split = _split_size(seq_len, num_splits, BLOCK_SIZE, WINDOW)
+    live = (end - first + per_split - 1) // per_split
     d = tl.arange(0, BLOCK_D)
     d_valid = d < HEAD_DIM
     top = float("-inf")
@@ -346,6 +395,101 @@ def test_split_decode_merges_more_splits_than_one_tile(monkeypatch):
     broken = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 1.0, num_splits)
     assert close(broken[0], want[0])  # no context: nothing to rescale
     assert not close(broken[1], want[1]) and not close(broken[2], want[2])
+
+
+# Sliding windows (kernels.reference.causal_mask: a query at p sees keys p - W < k <= p).
+# (q_lens, ctx_lens): prefill chunks over several query tiles (16 tokens each at 6/2 heads of
+# dim 64), decodes and a verification, contexts far past the smaller windows.
+WINDOW_CASES = [([20, 1, 4, 1], [12, 47, 32, 1]), ([33, 3], [70, 90])]
+WINDOWS = [1, 5, 16, 40, 1000]  # 1000: more than any context
+
+
+def windowed_batch(q_lens, ctx_lens, block_size, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return ragged_batch(q_lens, ctx_lens, 6, 2, 64, block_size, gen, torch.float32)
+
+
+@pytest.mark.parametrize(("q_lens", "ctx_lens"), WINDOW_CASES)
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_windowed_paged_attention_equals_reference(q_lens, ctx_lens, window, block_size):
+    q, k_cache, v_cache, tables, starts, seq_lens = windowed_batch(
+        q_lens, ctx_lens, block_size, window + block_size
+    )
+    args = (tables, starts, seq_lens, 0.125)
+    got = paged_attention(q, k_cache, v_cache, *args, max(q_lens), window)
+    want = reference.varlen_paged_attention(q, k_cache, v_cache, *args, window)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+DECODE_CTX_LENS = [0, 15, 16, 47, 100, 300]
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_windowed_split_decode_equals_reference(num_splits, window, block_size):
+    """The splits cover the window's blocks only; None: the launcher's count, at most the
+    blocks a window can touch."""
+    from kernels.triton_decode import paged_decode_attention
+
+    q, k_cache, v_cache, tables, starts, seq_lens = windowed_batch(
+        [1] * len(DECODE_CTX_LENS), DECODE_CTX_LENS, block_size, (num_splits or 0) + window
+    )
+    got = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125, num_splits, window)
+    want = reference.varlen_paged_attention(
+        q, k_cache, v_cache, tables, starts, seq_lens, 0.125, window
+    )
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def windowed_runs(window):
+    """(kernel at a window, reference at `window`) for a prefill batch and a decode batch."""
+    from kernels.triton_decode import paged_decode_attention
+
+    prefill = windowed_batch([33, 3], [70, 90], 16, 1)
+    decode = windowed_batch([1] * 3, [47, 100, 300], 16, 2)
+
+    def run(batch, w):
+        q, k_cache, v_cache, tables, starts, seq_lens = batch
+        if batch is decode:
+            return paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125, 3, w)
+        return paged_attention(q, k_cache, v_cache, tables, starts, seq_lens, 0.125, 33, w)
+
+    def want(batch):
+        q, k_cache, v_cache, tables, starts, seq_lens = batch
+        return reference.varlen_paged_attention(
+            q, k_cache, v_cache, tables, starts, seq_lens, 0.125, window
+        )
+
+    return [(lambda w, b=b: run(b, w), want(b), b) for b in (prefill, decode)]
+
+
+def test_windowed_kernels_reject_a_wrong_window():
+    """The comparison above holds the window exactly: the kernels with the window off, or one
+    key wider, fail it."""
+    for run, want, _ in windowed_runs(5):
+        assert close(run(5), want)
+        assert not close(run(None), want)
+        assert not close(run(6), want)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter on the NaN blocks
+def test_windowed_kernels_skip_the_blocks_before_the_window():
+    """Blocks wholly before every query's window are never read: poisoning them (NaN) changes
+    nothing, while the kernels with no window read them (NaN out)."""
+    window = 5
+    for run, _, batch in windowed_runs(window):
+        clean = run(window)
+        _, k_cache, v_cache, tables, starts, seq_lens = batch
+        q_lens = starts.diff()
+        for b, (seq_len, q_len) in enumerate(zip(seq_lens.tolist(), q_lens.tolist(), strict=True)):
+            first_key = seq_len - q_len - window + 1  # the request's first query's first key
+            for block in tables[b, : max(first_key, 0) // 16].tolist():
+                k_cache[:, block] = float("nan")
+                v_cache[:, block] = float("nan")
+        assert torch.equal(run(window), clean)
+        assert run(None).isnan().any()
 
 
 @pytest.mark.gpu
