@@ -85,7 +85,7 @@ class EngineConfig:
     grammar_cache_size: int = 256
     grammar_cache_bytes: int = 512 << 20
     grammar_compile_timeout: float = 10.0
-    grammar_compile_workers: int = 4
+    grammar_compile_workers: int = 8
     grammar_max_schema_depth: int = 64
     grammar_max_schema_nodes: int = 8192
     grammar_forced_tokens: bool = True

@@ -181,15 +181,15 @@ def choice_grammar(choices: tuple[str, ...]) -> str:
 
 
 def schema_shape(value) -> tuple[int, int]:
-    """(nesting depth, number of values) of a parsed JSON document, walked without recursion
-    (a schema nested 1000 deep would overflow Python's stack in check_schema)."""
+    """(nesting depth of objects and arrays, number of values) of a parsed JSON document, walked
+    without recursion (a schema nested 1000 deep would overflow Python's stack in check_schema)."""
     max_depth = num_nodes = 0
     stack = [(value, 1)]
     while stack:
         node, depth = stack.pop()
         num_nodes += 1
-        max_depth = max(max_depth, depth)
         if isinstance(node, dict | list):
+            max_depth = max(max_depth, depth)
             children = node.values() if isinstance(node, dict) else node
             stack.extend((child, depth + 1) for child in children)
     return max_depth, num_nodes
@@ -265,7 +265,7 @@ class GrammarCompiler:
         tokenizer_info: xgr.TokenizerInfo,
         cache_size: int = 256,
         timeout: float = 10.0,
-        num_workers: int = 4,
+        num_workers: int = 8,
         cache_bytes: int = 512 << 20,
         max_schema_depth: int = 64,
         max_schema_nodes: int = 8192,
@@ -315,11 +315,6 @@ class GrammarCompiler:
                 self.num_hits += 1
                 return self._cache[key]
             future = self._pending.get(key)
-        if future is not None:
-            return future
-        check(so, self.max_schema_depth, self.max_schema_nodes)  # raises before any work
-        with self._lock:
-            future = self._pending.get(key)
             if future is not None:
                 return future
             future = self._pending[key] = Future()
@@ -328,8 +323,10 @@ class GrammarCompiler:
         return future
 
     def _run(self, so: StructuredOutputs, key: str, future: Future) -> None:
-        """Trial in a worker, then the compile here; the future gets the grammar or the error."""
+        """Checks (tens of ms for 64 KiB of patterns: not on the caller's event loop), a trial
+        in a worker, then the compile here; the future gets the grammar or the error."""
         try:
+            check(so, self.max_schema_depth, self.max_schema_nodes)  # raises before any compile
             error, seconds = self.workers.trial(so, self.timeout)
             if error is not None:
                 raise invalid(error)
