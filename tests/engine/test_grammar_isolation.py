@@ -86,15 +86,31 @@ def test_slow_schema_times_out_uncached_and_others_still_compile(info):
     compiler.close()
 
 
-def test_timeout_through_the_engine_then_a_choice_generates(tiny_llama):
+def test_slow_schemas_through_the_engine_leave_a_choice_its_compile(tiny_llama):
+    """Two slow schemas in flight (they filled the old 2-thread pool), then a choice generates."""
     llm = LLM(str(tiny_llama), num_kv_blocks=64, grammar_compile_timeout=TIMEOUT)
-    slow = SamplingParams(structured_outputs={"json": PATTERNS})
-    with pytest.raises(ValueError, match="structured_outputs.json: compiling took longer"):
-        llm.engine.add_request("slow", [65], slow)
-    assert llm.engine.grammar.compiler.cache_len == 0
+    errors: list[Exception] = []
+
+    def slow(i: int) -> None:
+        p = SamplingParams(structured_outputs={"json": hostile(i).json})
+        try:
+            llm.engine.compile_constraint(p.structured_outputs)
+        except ValueError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=slow, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
     good = SamplingParams(temperature=0, max_tokens=8, structured_outputs={"choice": ["ok!"]})
     (out,) = llm.generate([[65, 66]], good, use_tqdm=False)
     assert out.outputs[0].text == "ok!"
+    for t in threads:
+        t.join()
+    assert [str(e) for e in errors] == [
+        "structured_outputs.json: compiling took longer than 1 s (grammar_compile_timeout)"
+    ] * 2
+    compiler = llm.engine.grammar.compiler
+    assert compiler.workers.num_killed == 2 and compiler.cache_len == 1  # the choice alone
 
 
 @pytest.mark.parametrize(
