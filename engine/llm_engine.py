@@ -158,7 +158,9 @@ class LLMEngine:
                 )
         self.scheduler.check_fits(len(ids), params, self.max_model_len)
         params.check_vocab(self.vocab_size)
-        compiled = compiled_grammar or self.compile_constraint(params.structured_outputs)
+        compiled = compiled_grammar
+        if compiled is None:
+            compiled = self.compile_constraint(params.structured_outputs)
         adapter = _load(self.adapters, lora_request)
         if draft_lora_request is None and self.config.draft_model == "self":
             draft_lora_request = lora_request  # the quantized copy drafts with the same adapter

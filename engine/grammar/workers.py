@@ -115,7 +115,8 @@ class CompileWorkers:
             try:
                 answer = worker.conn.recv()
             except EOFError:  # the worker died (xgrammar crashed on this constraint)
-                answer, is_demoted = "compiling it crashed the compile worker", True
+                answer = f"structured_outputs.{so.kind}: compiling it crashed its worker"
+                is_demoted = True  # so it is stopped below
             seconds = time.perf_counter() - t0
             if is_demoted:
                 worker.stop()
