@@ -81,11 +81,17 @@ class EngineConfig:
     adaptive_speculation: bool = True
     ngram_min: int = 2
     ngram_max: int = 4
-    # Structured outputs (xgrammar): compiled grammars kept (LRU), the longest a submission
-    # waits for a compile, and whether grammar-forced tokens ride as free drafts (False: the
-    # constraint only masks; forced tokens are then generated one per step like any other).
+    # Structured outputs (xgrammar): compiled grammars kept (LRU, by count and by bytes), the
+    # longest a compile may run (in a worker process, killed past it) and how many run at once,
+    # the largest JSON schema accepted (nesting depth, number of JSON values), and whether
+    # grammar-forced tokens ride as free drafts (False: the constraint only masks; forced tokens
+    # are then generated one per step like any other).
     grammar_cache_size: int = 256
+    grammar_cache_bytes: int = 512 << 20
     grammar_compile_timeout: float = 10.0
+    grammar_compile_workers: int = 8
+    grammar_max_schema_depth: int = 64
+    grammar_max_schema_nodes: int = 8192
     grammar_forced_tokens: bool = True
     # Multi-LoRA: adapters per request (lora.LoRARequest). max_loras: distinct adapters in one
     # step (slots); max_cpu_loras: adapters kept loaded (LRU; default 2 x max_loras);
@@ -198,7 +204,11 @@ _RULES: list[Rule] = [
     ("max_lora_rank", int_in(1), _POSITIVE),
     ("max_cpu_loras", int_in(1, optional=True), "must be an integer >= max_loras or None"),
     ("grammar_cache_size", int_in(1), _POSITIVE),
+    ("grammar_cache_bytes", int_in(1), _POSITIVE),
     ("grammar_compile_timeout", number_in(0, 3600, low_open=True), "must be in (0, 3600] seconds"),
+    ("grammar_compile_workers", int_in(1), _POSITIVE),
+    ("grammar_max_schema_depth", int_in(1), _POSITIVE),
+    ("grammar_max_schema_nodes", int_in(1), _POSITIVE),
     ("kv_cache_memory_fraction", number_in(0.0, 0.9, low_open=True), "must be in (0, 0.9]"),
     ("gpu_memory_utilization", number_in(0.0, 0.98, low_open=True), "must be in (0, 0.98]"),
     ("dtype", one_of(*DTYPES), f"must be one of {sorted(DTYPES)}"),

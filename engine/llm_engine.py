@@ -12,6 +12,7 @@ with their stop checks, outputs built by their groups.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from contextlib import nullcontext
@@ -143,9 +144,11 @@ class LLMEngine:
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
         draft_lora_request: LoRARequest | None = None,
+        compiled_grammar=None,
     ) -> None:
         """lora_request: the target's adapter; draft_lora_request: the draft model's own adapter
-        (a draft-model engine only; none by default)."""
+        (a draft-model engine only; none by default); compiled_grammar: the constraint already
+        compiled (compile_constraint_async), so this call never compiles."""
         params = params or SamplingParams()
         if request_id in self.groups:
             raise ParamError("request_id", f"request_id {request_id!r} is already in use")
@@ -160,7 +163,9 @@ class LLMEngine:
                 )
         self.scheduler.check_fits(len(ids), params, self.max_model_len)
         params.check_vocab(self.vocab_size)
-        compiled = self.compile_constraint(params.structured_outputs)
+        compiled = compiled_grammar
+        if compiled is None:
+            compiled = self.compile_constraint(params.structured_outputs)
         adapter = _load(self.adapters, lora_request)
         if draft_lora_request is None and self.config.draft_model == "self":
             draft_lora_request = lora_request  # the quantized copy drafts with the same adapter
@@ -202,6 +207,14 @@ class LLMEngine:
         if constraint is None:
             return None
         return self._grammar_manager().compiler.compile(constraint)
+
+    async def compile_constraint_async(self, constraint: StructuredOutputs | None):
+        """As compile_constraint, awaited: no thread is held while the compile runs."""
+        if constraint is None:
+            return None
+        if self.grammar is None:  # built once: the tokenizer's vocabulary for xgrammar
+            await asyncio.to_thread(self._grammar_manager)
+        return await self.grammar.compiler.compile_async(constraint)
 
     def _grammar_manager(self):
         with self._grammar_lock:

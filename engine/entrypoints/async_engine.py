@@ -234,14 +234,19 @@ class AsyncEngine:
         outputs (params' output_kind is replaced: DELTA); close() it (or cancel its reader) to
         abort the request."""
         params = params.with_output_kind(RequestOutputKind.DELTA)
-        # Compile the constraint here, off the loop thread and off the event loop: the engine's
-        # add_request then finds it in the cache.
-        await asyncio.to_thread(self.engine.compile_constraint, params.structured_outputs)
+        # Compile the constraint here, off the loop thread, awaited without holding a thread;
+        # the engine's add_request then takes the grammar as it is.
+        grammar = await self.engine.compile_constraint_async(params.structured_outputs)
         stream = _Stream(asyncio.get_running_loop())
 
         def add() -> None:
             self.engine.add_request(
-                request_id, prompt, params, cache_salt=cache_salt, lora_request=lora_request
+                request_id,
+                prompt,
+                params,
+                cache_salt=cache_salt,
+                lora_request=lora_request,
+                compiled_grammar=grammar,
             )
             self._streams[request_id] = stream
 

@@ -1,25 +1,31 @@
-"""Constraints -> xgrammar compiled grammars: checks first, then a bounded LRU cache in front of
-compilation on worker threads.
+"""Constraints -> xgrammar compiled grammars: checks first, then an LRU cache bounded in bytes in
+front of compilation that a slow constraint cannot hold up.
 
-`compile` is called where a request is submitted. It returns at once on a cache hit; otherwise a
-worker thread compiles (xgrammar releases the GIL while it does, so an engine loop running in
-another thread keeps stepping) and the caller waits at most `timeout` seconds. Every problem is a
-ValueError naming the constraint: invalid JSON schema, regex or grammar, a JSON-schema feature
-xgrammar would silently not enforce, a compile that takes too long.
+`compile` (or `compile_async`, which holds no thread while it waits) is called where a request is
+submitted. It returns at once on a cache hit. Otherwise the constraint's size is checked (schema
+depth and node count), then it compiles on trial in a worker process that is killed if it runs
+past `timeout` (engine.grammar.workers), and only then here, on a thread of its own (xgrammar
+releases the GIL, so the engine loop keeps stepping). A compile that timed out is never cached
+and leaves nothing running. Every problem is a ValueError naming the constraint: invalid JSON
+schema, regex or grammar, a JSON-schema feature xgrammar would silently not enforce, a schema
+too deep or too large, a compile that takes too long.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import re
 import threading
+import weakref
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import Future
 
 import xgrammar as xgr
 
 from engine.grammar.constraint import StructuredOutputs, invalid
+from engine.grammar.workers import CompileTimeout, CompileWorkers
 
 # JSON-schema keywords xgrammar 0.2.8 accepts but does not enforce (measured: a violating
 # instance is accepted); refusing them beats returning output that does not validate.
@@ -174,30 +180,134 @@ def choice_grammar(choices: tuple[str, ...]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+def schema_shape(value) -> tuple[int, int]:
+    """(nesting depth of objects and arrays, number of values) of a parsed JSON document, walked
+    without recursion (a schema nested 1000 deep would overflow Python's stack in check_schema)."""
+    max_depth = num_nodes = 0
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        num_nodes += 1
+        if isinstance(node, dict | list):
+            max_depth = max(max_depth, depth)
+            children = node.values() if isinstance(node, dict) else node
+            stack.extend((child, depth + 1) for child in children)
+    return max_depth, num_nodes
+
+
+def check_shape(so: StructuredOutputs, max_depth: int, max_nodes: int) -> None:
+    """Refuse a JSON schema or structural tag nested deeper than max_depth or with more than
+    max_nodes values: compile time grows faster than the text (bench/RESULTS.md, "Hostile
+    schemas"), so the 64 KiB cap alone does not bound it."""
+    kind = so.kind
+    if kind not in ("json", "structural_tag"):
+        return
+    depth, num_nodes = schema_shape(so.schema if kind == "json" else so.structural_tag)
+    if depth > max_depth:
+        raise invalid(
+            f"structured_outputs.{kind} is nested {depth} levels deep, over the limit "
+            f"grammar_max_schema_depth={max_depth}"
+        )
+    if num_nodes > max_nodes:
+        raise invalid(
+            f"structured_outputs.{kind} has {num_nodes} JSON values, over the limit "
+            f"grammar_max_schema_nodes={max_nodes}"
+        )
+
+
+def check(so: StructuredOutputs, max_depth: int, max_nodes: int) -> None:
+    """Every check that needs no compile: size first, then what xgrammar would not enforce."""
+    check_shape(so, max_depth, max_nodes)
+    if so.kind in ("json", "json_object"):
+        check_schema(so.schema)
+    for schema in tag_schemas(so.structural_tag):
+        check_schema(schema)
+
+
+def build(compiler: xgr.GrammarCompiler, info: xgr.TokenizerInfo, so: StructuredOutputs):
+    """The compiled grammar of a checked constraint (in a worker on trial, then in the engine)."""
+    kind = so.kind
+    try:
+        if kind in ("json", "json_object"):
+            compiled = compiler.compile_json_schema(
+                json.dumps(with_strict_formats(so.schema)), any_whitespace=so.any_whitespace
+            )
+        elif kind == "regex":
+            compiled = compiler.compile_regex(so.regex)
+        elif kind == "grammar":
+            compiled = compiler.compile_grammar(so.grammar)
+        elif kind == "structural_tag":
+            tag = compiled_tag(so.structural_tag, so.any_whitespace)
+            compiled = compiler.compile_structural_tag(json.dumps(tag))
+        else:
+            compiled = compiler.compile_grammar(choice_grammar(so.choice))
+    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError with a message
+        raise invalid(f"structured_outputs.{kind}: {clean_error(e)}") from None
+    # An empty language (e.g. "[^\\x00-\\U0010FFFF]", "root ::= x  x ::= x") compiles, but
+    # no first token and no end is allowed: refuse it now rather than mid-generation.
+    bitmask = xgr.allocate_token_bitmask(1, info.vocab_size)
+    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+    if not bitmask.any():
+        raise invalid(f"structured_outputs.{kind} admits no output at all")
+    return compiled
+
+
 class GrammarCompiler:
     """tokenizer_info: xgrammar's view of the vocabulary, built once per tokenizer
-    (`TokenizerInfo.from_huggingface(tokenizer, vocab_size=<the model's>, stop_token_ids=...)`)."""
+    (`TokenizerInfo.from_huggingface(tokenizer, vocab_size=<the model's>, stop_token_ids=...)`).
+    cache_size / cache_bytes: compiled grammars kept (LRU), by count and by xgrammar's
+    memory_size_bytes; a grammar larger than cache_bytes is returned but not kept.
+    timeout: seconds a compile may run in its worker (and may wait for a free one);
+    num_workers: compiles on trial at once."""
 
     def __init__(
         self,
         tokenizer_info: xgr.TokenizerInfo,
         cache_size: int = 256,
         timeout: float = 10.0,
-        num_workers: int = 2,
+        num_workers: int = 8,
+        cache_bytes: int = 512 << 20,
+        max_schema_depth: int = 64,
+        max_schema_nodes: int = 8192,
     ):
         self.tokenizer_info = tokenizer_info
         self._compiler = xgr.GrammarCompiler(
             self.tokenizer_info, max_threads=1, cache_enabled=False
         )
-        self.cache_size = cache_size
+        self.cache_size, self.cache_bytes = cache_size, cache_bytes
         self.timeout = timeout
+        self.max_schema_depth, self.max_schema_nodes = max_schema_depth, max_schema_nodes
+        self.workers = CompileWorkers(tokenizer_info.serialize_json(), num_workers)
+        weakref.finalize(self, self.workers.close)  # idle workers exit with their compiler
         self._cache: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
+        self._cache_used = 0  # bytes of the grammars in _cache
         self._pending: dict[str, Future] = {}
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="tandem-grammar")
-        self.num_hits = self.num_compiled = 0
+        self.num_hits = self.num_compiled = self.num_timeouts = 0
 
     def compile(self, so: StructuredOutputs) -> xgr.CompiledGrammar:
+        """The compiled grammar; blocks the calling thread until it is ready or refused."""
+        hit = self._lookup(so)
+        return hit if isinstance(hit, xgr.CompiledGrammar) else hit.result()
+
+    async def compile_async(self, so: StructuredOutputs) -> xgr.CompiledGrammar:
+        """As `compile`, awaited: the event loop and its executor's threads stay free."""
+        hit = self._lookup(so)
+        return hit if isinstance(hit, xgr.CompiledGrammar) else await asyncio.wrap_future(hit)
+
+    def close(self) -> None:
+        self.workers.close()
+
+    @property
+    def cache_len(self) -> int:
+        return len(self._cache)
+
+    @property
+    def cache_used_bytes(self) -> int:
+        return self._cache_used
+
+    def _lookup(self, so: StructuredOutputs) -> xgr.CompiledGrammar | Future:
+        """The cached grammar, or the future of its compile (one per constraint at a time)."""
         key = so.key
         with self._lock:
             if key in self._cache:
@@ -205,61 +315,48 @@ class GrammarCompiler:
                 self.num_hits += 1
                 return self._cache[key]
             future = self._pending.get(key)
-            if future is None:
-                future = self._pending[key] = self._pool.submit(self._build, so, key)
-        try:
-            return future.result(timeout=self.timeout)
-        except FutureTimeout:
-            raise invalid(
-                f"structured_outputs.{so.kind}: compiling took longer than {self.timeout:g} s "
-                "(grammar_compile_timeout)",
-            ) from None
+            if future is not None:
+                return future
+            future = self._pending[key] = Future()
+        name = "tandem-grammar-compile"
+        threading.Thread(target=self._run, args=(so, key, future), daemon=True, name=name).start()
+        return future
 
-    def _build(self, so: StructuredOutputs, key: str) -> xgr.CompiledGrammar:
+    def _run(self, so: StructuredOutputs, key: str, future: Future) -> None:
+        """Checks (tens of ms for 64 KiB of patterns: not on the caller's event loop), a trial
+        in a worker, then the compile here; the future gets the grammar or the error."""
         try:
-            compiled = self._compile_now(so)
-        except BaseException:
+            check(so, self.max_schema_depth, self.max_schema_nodes)  # raises before any compile
+            error, seconds = self.workers.trial(so, self.timeout)
+            if error is not None:
+                raise invalid(error)
+            if seconds > self.workers.demote_after:  # a long compile yields to the engine here too
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            compiled = build(self._compiler, self.tokenizer_info, so)
+        except CompileTimeout as e:
+            with self._lock:
+                self.num_timeouts += 1
+                self._pending.pop(key, None)
+            future.set_exception(invalid(f"structured_outputs.{so.kind}: {e}"))
+            return
+        except BaseException as e:  # noqa: BLE001 - every error reaches the waiting callers
             with self._lock:
                 self._pending.pop(key, None)
-            raise
+            future.set_exception(e)
+            return
         with self._lock:
             self._pending.pop(key, None)
-            self._cache[key] = compiled
             self.num_compiled += 1
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-        return compiled
+            self._keep(key, compiled)
+        future.set_result(compiled)
 
-    def _compile_now(self, so: StructuredOutputs) -> xgr.CompiledGrammar:
-        kind = so.kind
-        if kind in ("json", "json_object"):
-            check_schema(so.schema)
-        for schema in tag_schemas(so.structural_tag):
-            check_schema(schema)
-        try:
-            if kind in ("json", "json_object"):
-                compiled = self._compiler.compile_json_schema(
-                    json.dumps(with_strict_formats(so.schema)), any_whitespace=so.any_whitespace
-                )
-            elif kind == "regex":
-                compiled = self._compiler.compile_regex(so.regex)
-            elif kind == "grammar":
-                compiled = self._compiler.compile_grammar(so.grammar)
-            elif kind == "structural_tag":
-                tag = compiled_tag(so.structural_tag, so.any_whitespace)
-                compiled = self._compiler.compile_structural_tag(json.dumps(tag))
-            else:
-                compiled = self._compiler.compile_grammar(choice_grammar(so.choice))
-        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError with a message
-            raise invalid(f"structured_outputs.{kind}: {clean_error(e)}") from None
-        # An empty language (e.g. "[^\\x00-\\U0010FFFF]", "root ::= x  x ::= x") compiles, but
-        # no first token and no end is allowed: refuse it now rather than mid-generation.
-        bitmask = xgr.allocate_token_bitmask(1, self.tokenizer_info.vocab_size)
-        xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
-        if not bitmask.any():
-            raise invalid(f"structured_outputs.{kind} admits no output at all")
-        return compiled
-
-    @property
-    def cache_len(self) -> int:
-        return len(self._cache)
+    def _keep(self, key: str, compiled: xgr.CompiledGrammar) -> None:
+        """Cache under both bounds, evicting least recently used first (under self._lock)."""
+        size = compiled.memory_size_bytes
+        if size > self.cache_bytes:
+            return
+        self._cache[key] = compiled
+        self._cache_used += size
+        while self._cache_used > self.cache_bytes or len(self._cache) > self.cache_size:
+            _, old = self._cache.popitem(last=False)
+            self._cache_used -= old.memory_size_bytes

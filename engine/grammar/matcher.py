@@ -143,6 +143,10 @@ class GrammarManager:
             tokenizer_info(tokenizer, vocab_size, eos_token_ids),
             cfg.grammar_cache_size,
             cfg.grammar_compile_timeout,
+            cfg.grammar_compile_workers,
+            cfg.grammar_cache_bytes,
+            cfg.grammar_max_schema_depth,
+            cfg.grammar_max_schema_nodes,
         )
         return cls(compiler, tokenizer, vocab_size, max_rows)
 
