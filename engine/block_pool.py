@@ -132,15 +132,11 @@ class BlockPool:
             self.ref_counts[block] += 1
 
     def free(self, blocks: Sequence[int]) -> None:
-        """Drop one reference each; the tail of a request goes first in eviction order. A block
-        with no reference left to drop (a double free) raises before any count changes: a
-        negative count would put one block in two requests' tables."""
-        held = Counter(blocks)
-        over = next((b for b, n in held.items() if n > self.ref_counts[b]), None)
-        if over is not None:
-            raise BlockPoolError(
-                f"double free of block {over} (reference count {self.ref_counts[over]})"
-            )
+        """Drop one reference each; the tail of a request goes first in eviction order. A double
+        free raises before any count changes (a negative count: a block in two tables)."""
+        over = [b for b, n in Counter(blocks).items() if n > self.ref_counts[b]]
+        if over:
+            raise BlockPoolError(f"double free of blocks {over} (no reference left to drop)")
         for block in reversed(blocks):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:

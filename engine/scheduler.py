@@ -82,9 +82,8 @@ class Scheduler:
         """wanted: draft slots a decoding request asks for (spec.speculation's plan)."""
         out = SchedulerOutput()
         wanted = wanted or {}
-        budget = prompt_left = self.max_num_batched_tokens
-        if self.step_budget is not None:
-            prompt_left = self._prompt_tokens(wanted, budget)
+        budget = self.max_num_batched_tokens
+        prompt_left = budget if self.step_budget is None else self._prompt_tokens(wanted, budget)
         # Target and draft adapters in this step (ids); None: the engine has no adapters.
         loras = None if self.max_loras is None else (set(), set())
         i = 0
@@ -93,14 +92,12 @@ class Scheduler:
             if request in self.held or (loras and not self._lora_fits(request, loras)):
                 i += 1  # held, or its adapter has no slot this step (it runs when one is free)
                 continue
-            if request.num_output_tokens + request.num_pending >= request.max_output_tokens:
-                i += 1  # its last token is in flight: it finishes when that comes back
-                continue
-            n = request.num_uncomputed
+            n = request.num_uncomputed  # 1: a decode; more: a prompt chunk, within prompt_left
             num_new = min(n, budget) if n == 1 else min(n, budget, prompt_left)
-            if num_new == 0:  # a prompt chunk, and the step's prompt tokens are spent
-                i += 1
-                continue
+            last = request.num_output_tokens + request.num_pending >= request.max_output_tokens
+            if last or num_new == 0:
+                i += 1  # its last token is in flight (it finishes when that comes back), or no
+                continue  # prompt tokens are left for its chunk
             k = wanted.get(request, 0)
             num_drafts = k and self._draft_slots(request, num_new, budget, k)
             if not self._allocate_or_preempt(request, num_new, num_drafts, out):
