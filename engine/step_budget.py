@@ -51,9 +51,12 @@ class StepBudget:
         self.cost.observe(tokens, seconds)
 
     def prompt_tokens(self, num_decode_rows: int, max_tokens: int) -> int:
-        """Prompt tokens a step with num_decode_rows decode rows (drafts included) may take."""
+        """Prompt tokens a step with num_decode_rows decode rows (drafts included) may take:
+        what fits in the budget, but never fewer than min_chunk or the decode rows (a budget
+        below the step's fixed cost would otherwise starve prompts: at most half of the rows
+        of a step go to decodes, so prefill keeps at least half its pace)."""
         cost = self.cost
         if not num_decode_rows or not cost.fitted or cost.per_row == 0.0:
             return max_tokens
         fits = int((self.seconds - cost.fixed) / cost.per_row) - num_decode_rows
-        return min(max(fits, self.min_chunk), max_tokens)
+        return min(max(fits, self.min_chunk, num_decode_rows), max_tokens)

@@ -73,6 +73,17 @@ def test_a_tight_budget_still_moves_prompts_by_min_chunk():
     assert run_step(sched) == {"d0": 1, "d1": 1, "d2": 1, "long": BLOCK}
 
 
+def test_a_tight_budget_gives_prompts_as_many_rows_as_the_decodes():
+    """Six decodes, a budget below the step's fixed cost: six prompt tokens (not min_chunk's
+    four), so prompts keep at least half of every step."""
+    sched = Scheduler(KVCacheManager(200, BLOCK, False), 8, 256, None, fitted_budget(0.5))
+    for i in range(6):
+        sched.add(make_request(f"d{i}", [1, 2, 3], BLOCK))
+    run_step(sched)
+    sched.add(make_request("long", list(range(10, 210)), BLOCK))
+    assert run_step(sched) == {**{f"d{i}": 1 for i in range(6)}, "long": 6}
+
+
 def test_an_unfitted_budget_limits_nothing():
     sched = decoding_and_a_long_prompt(StepBudget(20.0, BLOCK))
     assert run_step(sched) == {"d0": 1, "d1": 1, "d2": 1, "long": 200}
