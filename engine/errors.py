@@ -14,3 +14,8 @@ class ParamError(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(message)
         self.param = param
+
+
+class NonFiniteLogits(RuntimeError):
+    """The model's logits for a request hold NaN (a corrupt adapter or weights, an overflow):
+    the request ends with an error, and the K/V it computed is not to be trusted (never cached)."""

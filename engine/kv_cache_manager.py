@@ -121,6 +121,12 @@ class KVCacheManager:
         if blocks is None:
             self.uncomputed = []
 
+    def uncache(self, request: Request) -> None:
+        """Drop every block of the request's table from the prefix cache: its K/V is not to be
+        trusted (the model's logits for it were NaN). Prefix hits it took from other requests go
+        too; they stay valid where they are held, only no longer findable."""
+        self.pool.uncache(self.block_tables.get(request, []))
+
     def mark_draft_computed(self, request: Request) -> None:
         """Flag the request's full blocks within its draft-computed tokens as holding the draft
         model's KV too, so a prefix hit on them spares the draft its catch-up."""

@@ -26,6 +26,7 @@ import torch
 from engine.backends import TORCH, Backend
 from engine.cuda_graphs import GraphRunner
 from engine.device import HostCopy, host_tensor, to_device
+from engine.errors import NonFiniteLogits
 from engine.inputs import (
     FlatInputs,
     ForwardItem,
@@ -54,6 +55,8 @@ from engine.sampler import (
 )
 from engine.scheduler import SchedulerOutput
 from lora.batch import LoRABatch, LoRASlots
+
+NAN_MESSAGE = "the model's output for this request is not a number (NaN logits)"
 
 
 def mask_logits(masker, logits: torch.Tensor, rows: list[tuple[Request, list[int]]]) -> None:
@@ -102,6 +105,7 @@ class DeviceResults:
     num_accepted: torch.Tensor | None = None  # [S] drafts accepted per verified member
     logprobs: TopLogprobs | None = None  # the verified members' rows whose requests ask
     prompt_logprobs: list[TopLogprobs] = field(default_factory=list)  # per PromptAsk
+    is_nan: torch.Tensor | None = None  # [R] whether a sampling row's logits hold a NaN
 
 
 @dataclass
@@ -144,7 +148,10 @@ class PendingStep:
             for i, fast in enumerate(self.fast):
                 if fast:
                     verdicts[i] = verify_greedy(self.spans[i], argmax)
+        is_nan = host.is_nan.tolist() if host.is_nan is not None else []
         for span, member, verdict in zip(self.spans, self.members, verdicts, strict=True):
+            if any(is_nan[span.start : span.end]):  # its tokens are NaN's argmax: worthless
+                member.fail("logits", NonFiniteLogits(NAN_MESSAGE))
             result.sampled.append((member, verdict.tokens))
             if span.drafts:
                 result.num_accepted[member] = verdict.num_accepted
@@ -365,6 +372,7 @@ class ModelRunner:
         pending.fast = [argmax_suffices(m) for m in members]
         pending.slow = [i for i, fast in enumerate(pending.fast) if not fast]
         logits = self.device_logits(hidden, rows)  # [R, V] on the device
+        pending.device.is_nan = logits.isnan().any(dim=-1)  # [R]: such a request fails alone
         if any(pending.fast):
             pending.device.argmax = logits.argmax(dim=-1)  # [R]
         if pending.slow:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.block_pool import extend_block_hashes
-from engine.errors import RequestError
+from engine.errors import NonFiniteLogits, RequestError
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -116,6 +116,7 @@ class Request(TokenHistory):
         self.draft_lora: LoRAAdapter | None = None  # the draft model's adapter, if any
         self.error: str | None = None  # set by fail(); the engine ends its group after the step
         self.error_status = 500  # 400 when the request itself was at fault (RequestError)
+        self.has_invalid_kv = False  # its logits were NaN: its blocks must not be cached
 
     def fail(self, where: str, exc: BaseException) -> None:
         """This request's own processing raised (its grammar, its detokenizer, ...): keep a
@@ -126,6 +127,10 @@ class Request(TokenHistory):
             return
         if isinstance(exc, RequestError):
             self.error, self.error_status = str(exc), 400
+            return
+        if isinstance(exc, NonFiniteLogits):
+            logger.error("request %s failed: %s", self.request_id, exc)
+            self.error, self.has_invalid_kv = str(exc), True
             return
         logger.error("request %s failed in its %s", self.request_id, where, exc_info=exc)
         self.error = f"internal error in this request's {where} ({type(exc).__name__})"

@@ -276,9 +276,12 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        # Under async scheduling its last full block became hashable only with its last token:
-        # offer it to the prefix cache now (nothing new otherwise).
-        self.kv.cache_blocks(request)
+        if request.has_invalid_kv:  # NaN logits: none of its blocks may serve a prefix hit
+            self.kv.uncache(request)
+        else:
+            # Under async scheduling its last full block became hashable only with its last
+            # token: offer it to the prefix cache now (nothing new otherwise).
+            self.kv.cache_blocks(request)
         self.kv.free(request)
         if request.grammar is not None:
             request.grammar.release()

@@ -2,11 +2,13 @@
 (forced tokens, draft checks, masks, commits) raising for one request ends it with
 finish_reason "error" and a message without internals, while every other request in the same
 steps produces exactly what it produces alone, every block returns to the pool, no matcher is
-left live, and the engine keeps serving."""
+left live, and the engine keeps serving. NaN logits (an adapter whose weights are NaN) end that
+request alone too, and none of its blocks is ever found in the prefix cache."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 
@@ -169,3 +171,63 @@ def test_constraint_dead_end_is_the_requests_own_error(tiny_llama):
     assert good.outputs[0].token_ids == want and good.error is None
     snap = llm.engine.snapshot()
     assert snap["num_free_blocks"] == snap["num_blocks"] and snap["grammar"]["num_matchers"] == 0
+
+
+@pytest.fixture(scope="module")
+def nan_adapter(tiny_llama, tmp_path_factory):
+    """A PEFT adapter for the tiny model whose q_proj B matrices are NaN: a corrupt file a real
+    deployment could be handed (the loader checks shapes and names, not values)."""
+    from safetensors.torch import load_file, save_file
+
+    from lora import LoRARequest
+    from models import make_adapter
+
+    path = make_adapter(tiny_llama, tmp_path_factory.mktemp("nan") / "nan", 3, 4, ["q_proj"], {})
+    weights_file = path / "adapter_model.safetensors"
+    weights = load_file(str(weights_file))
+    for name in weights:
+        if "lora_B" in name:
+            weights[name] = torch.full_like(weights[name], float("nan"))
+    save_file(weights, str(weights_file))
+    return LoRARequest("nan", str(path))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_nan_logits_end_one_request_and_never_enter_the_cache(tiny_llama, nan_adapter, temperature):
+    """The victim is served a NaN adapter: every logit of its rows is NaN. It alone ends with
+    finish_reason "error" (greedy: the argmax path; 0.8: the sampling path), the others in the
+    same steps finish with exactly their tokens alone, and none of its blocks enter the prefix
+    cache: the same prompt with the same adapter again finds no cached token, while a healthy
+    request's second run does (non-vacuous). Without the NaN check the victim "finishes" with
+    12 tokens of garbage (NaN's argmax) and finish_reason "length"; without the uncaching its
+    second run finds 32 cached tokens of NaN K/V."""
+    llm = LLM(str(tiny_llama), num_kv_blocks=64, max_num_batched_tokens=32, enable_lora=True)
+    prompts = [*PROMPTS[:VICTIM], list(range(100, 140)), *PROMPTS[VICTIM + 1 :]]
+    want = alone(llm, prompts, PARAMS)
+    victim_params = SamplingParams(temperature=temperature, seed=5, max_tokens=12, ignore_eos=True)
+    engine = llm.engine
+    for i, p in enumerate(prompts):
+        if i == VICTIM:
+            engine.add_request(f"r{i}", p, victim_params, lora_request=nan_adapter)
+        else:
+            engine.add_request(f"r{i}", p, PARAMS)
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    victim = finals[f"r{VICTIM}"]
+    assert victim.outputs[0].finish_reason == "error", victim.outputs[0]
+    assert "not a number" in victim.error and victim.error_status == 500
+    for i, expected in enumerate(want):
+        if i != VICTIM:
+            out = finals[f"r{i}"].outputs[0]
+            assert out.token_ids == expected and out.finish_reason == "length", i
+    snap = engine.snapshot()
+    assert snap["num_free_blocks"] == snap["num_blocks"] and snap["num_request_errors"] == 1
+    (again,) = llm.generate(
+        [prompts[VICTIM]], victim_params, use_tqdm=False, lora_request=nan_adapter
+    )
+    assert again.num_cached_tokens == 0 and again.outputs[0].finish_reason == "error"
+    (healthy,) = llm.generate([prompts[0]], PARAMS, use_tqdm=False)
+    assert healthy.num_cached_tokens == 16 and healthy.outputs[0].token_ids == want[0]

@@ -2,8 +2,13 @@
 tiny model, n-gram speculation, one adapter, API key): wrong types, out-of-range and huge
 numbers, NaN/Infinity, unicode and huge strings, huge n / max_tokens / logprobs / stop lists,
 out-of-vocab token ids in logit_bias and stop_token_ids, pathological schemas, regexes and
-grammars, malformed messages. Never a 5xx, never a hang (every answer within the client's
-timeout); error bodies carry a message and no traceback or path; after every case a canary
+grammars, malformed messages, beam search (use_beam_search with n beams); /tokenize,
+/detokenize, the adapter hot-load routes (a --lora-dir holding the adapter), the GET routes
+(/v1/snapshot, /v1/models, /metrics, /health) and an unknown one, each also sent the wrong
+method; bodies of invalid UTF-8 and nested past the limit (101 levels, and 100,000). Never a
+5xx, never a hang (every answer within the client's timeout); every error in OpenAI's shape
+(a 405 or an unknown route answered Starlette's {"detail"} before), its message without a
+traceback or path; after every case a canary
 request returns its usual output and /health is OK; at the end the engine is idle with every
 block free and no matcher live."""
 
@@ -27,6 +32,8 @@ API_KEY = "fuzz-key"
 CANARY = {"prompt": "canary", "max_tokens": 6, "temperature": 0}
 TIMEOUT_S = 60.0
 STATUSES: list[int] = []  # every fuzzed answer's status, for the non-vacuity check
+ROUTES: set[str] = set()  # every route a case reached
+RAWS: set[str] = set()  # every way of encoding a body a case used
 
 # ---- values ----------------------------------------------------------------------------------
 huge_int = st.integers(min_value=-(2**70), max_value=2**70)
@@ -190,9 +197,66 @@ CHAT = {
 }
 
 
+BEAMS = {  # vLLM's beam search: n (or best_of) beams, temperature 0
+    "use_beam_search": st.just(True),
+    "length_penalty": st.one_of(floats(-2, 3), weird_float),
+    "n": st.integers(1, 4),
+    "temperature": st.just(0),
+}
+adapter_name = st.one_of(st.sampled_from(["lora-a", "fresh", "tiny", "", "n" * 65, "a/b"]), text)
+OTHER_ROUTES = {  # path -> (base body, fuzzed fields)
+    "/tokenize": (
+        {"prompt": "hi"},
+        {
+            "model": COMMON["model"],
+            "prompt": st.one_of(text, huge_text, anything),
+            "messages": st.lists(message, max_size=4),
+            "add_special_tokens": st.booleans(),
+            "add_generation_prompt": st.booleans(),
+            "continue_final_message": st.booleans(),
+            "return_token_strs": st.booleans(),
+        },
+    ),
+    "/detokenize": (
+        {"tokens": [1, 2]},
+        {"model": COMMON["model"], "tokens": st.one_of(token_ids, anything)},
+    ),
+    "/v1/load_lora_adapter": (
+        {"lora_name": "fresh", "lora_path": "lora-a"},
+        {
+            "lora_name": adapter_name,
+            "lora_path": st.one_of(
+                st.sampled_from(["lora-a", "../lora-a", "/etc", ".", "", "a\x00b", "lora-a/.."]),
+                text,
+            ),
+        },
+    ),
+    "/v1/unload_lora_adapter": (
+        {"lora_name": "fresh"},
+        {"lora_name": adapter_name, "lora_int_id": some_int},
+    ),
+}
+GET_ROUTES = ["/v1/snapshot", "/v1/models", "/metrics", "/health"]
+
+
 @st.composite
 def requests(draw):
-    path = draw(st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+    path = draw(
+        st.sampled_from(
+            ["/v1/completions", "/v1/chat/completions", *OTHER_ROUTES, *GET_ROUTES, "/nowhere"]
+        )
+    )
+    if path in GET_ROUTES or path == "/nowhere":
+        return path, {}, draw(st.sampled_from(["get", "json"]))
+    raw = draw(st.sampled_from(["json"] * 8 + ["invalid utf-8", "deep"]))
+    if path in OTHER_ROUTES:
+        base, fields = OTHER_ROUTES[path]
+        wild = draw(st.integers(0, 3)) == 0
+        body = dict(base)
+        names = draw(st.lists(st.sampled_from(sorted(fields)), max_size=3, unique=True))
+        for name in names:
+            body[name] = draw(anything if wild else fields[name])
+        return path, body, raw
     chat = path.endswith("chat/completions")
     base = (
         {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -200,6 +264,8 @@ def requests(draw):
         else {"model": "tiny", "prompt": "hi", "max_tokens": 4}
     )
     fields = {**COMMON, **(CHAT if chat else COMPLETION)}
+    if draw(st.integers(0, 7)) == 0:
+        fields |= BEAMS
     names = draw(st.lists(st.sampled_from(sorted(fields)), min_size=1, max_size=3, unique=True))
     body = dict(base)
     wild = draw(st.integers(0, 3)) == 0  # 1 in 4: any JSON value anywhere, unknown fields
@@ -207,7 +273,8 @@ def requests(draw):
         body[name] = draw(anything if wild else fields[name])
     if wild and draw(st.booleans()):
         body[draw(text)] = draw(anything)
-    raw = draw(st.sampled_from(["json", "not json", "array", "empty"])) if wild else "json"
+    if wild:
+        raw = draw(st.sampled_from(["json", "not json", "array", "empty", "invalid utf-8", "deep"]))
     return path, body, raw
 
 
@@ -218,6 +285,11 @@ def encode(body, raw: str) -> bytes:
         return b"[1, 2, 3]"
     if raw == "empty":
         return b""
+    if raw == "invalid utf-8":  # a lone continuation byte and a truncated sequence in a string
+        return b'{"model": "tiny", "prompt": "\x80 \xe2\x82", "lora_name": "\xff"}'
+    if raw == "deep":  # past the 100-level limit, and deep enough to overflow a recursive parser
+        depth = 100_000 if body.get("stream") else 101
+        return b'{"model": "tiny", "x": ' + b"[" * depth + b"]" * depth + b"}"
     # Python's json writes NaN / Infinity, which the server's parser accepts: fuzz them too.
     return json.dumps(body, allow_nan=True).encode("utf-8", "surrogatepass")
 
@@ -244,6 +316,7 @@ def server(tiny_llama, tmp_path_factory):
     lora = LoRARequest("lora-a", str(adapter))
     engine.load_lora(lora)
     state = ServerState(AsyncEngine(engine), "tiny", {"lora-a": lora}, api_keys=(API_KEY,))
+    state.lora_dir = adapter.parent  # the hot-load routes fuzzed too
     with (
         serving(build_app(state)) as url,
         httpx.Client(
@@ -275,12 +348,17 @@ def check_error_body(response: httpx.Response) -> None:
 def test_fuzzed_requests_never_5xx_and_never_hang(server, case):
     client, state, canary_text = server
     path, body, raw = case
-    response = client.post(path, content=encode(body, raw), headers={"content-type": "x"})
+    if raw == "get":
+        response = client.get(path, params={"q": "[" * 200, "model": "\u0000"})
+    else:
+        response = client.post(path, content=encode(body, raw), headers={"content-type": "x"})
+    ROUTES.add(path)
+    RAWS.add(raw)
     STATUSES.append(response.status_code)
-    assert response.status_code < 500, (body, response.text[:500])
+    assert response.status_code < 500, (path, body, raw, response.text[:500])
     if response.status_code >= 400:
         check_error_body(response)
-    elif body.get("stream") is True and raw == "json":
+    elif body.get("stream") is True and raw == "json" and "completions" in path:
         assert response.text.rstrip().endswith("data: [DONE]"), response.text[-300:]
         assert '"error"' not in response.text, response.text[-500:]
     canary = client.post("/v1/completions", json={"model": "tiny", **CANARY})
@@ -293,6 +371,9 @@ def test_engine_idle_and_clean_after_fuzzing(server):
     of the fuzzed requests were served (200), not all refused at the door."""
     _, state, _ = server
     assert STATUSES.count(200) >= len(STATUSES) // 5 and STATUSES.count(400) > 0, STATUSES
+    want = {"/v1/completions", "/v1/chat/completions", *OTHER_ROUTES, *GET_ROUTES, "/nowhere"}
+    assert want <= ROUTES, want - ROUTES
+    assert {"json", "get", "invalid utf-8", "deep", "not json"} <= RAWS, RAWS
     snap = wait_idle(state.engine)
     assert snap["num_free_blocks"] == snap["num_blocks"]
     grammar = snap.get("grammar") or {}

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from engine.entrypoints.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from engine.entrypoints.llm import chat_prompt_ids
@@ -104,6 +105,11 @@ def build_app(state: ServerState) -> FastAPI:
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         return error_response(exc)
+
+    @app.exception_handler(HTTPException)  # an unknown route, a wrong method: OpenAI's shape too
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        error = APIError(str(exc.detail), status=exc.status_code, headers=exc.headers)
+        return error_response(error)
 
     # Starlette runs the last added first: browser checks, then the key, then the body limit.
     app.add_middleware(BodySizeLimit, max_bytes=state.max_body_bytes)

@@ -41,7 +41,7 @@ def completion(url: str, model: str, stream: bool = False) -> httpx.Response:
     return post(url, "/v1/completions", body | {"stream": stream})
 
 
-def test_load_serve_unload(hot, offline, demo_adapters):
+def test_load_serve_unload(hot, offline, demo_adapters, monkeypatch):
     url, state, folder = hot
     assert models(url) == [MODEL]
     assert completion(url, "demo-lora-a").status_code == 404
@@ -59,17 +59,29 @@ def test_load_serve_unload(hot, offline, demo_adapters):
         assert got == ref.outputs[0].text
     base = offline.generate("One, two,", params, use_tqdm=False)[0].outputs[0].text
     assert got != base  # the adapter changes the answer, so the checks above can fail
-    # Unloaded while a stream runs: that request finishes with the adapter's weights.
+    # Unloaded while a stream runs: that request finishes with the adapter's weights. A spy on
+    # the engine's unload (it runs on the engine loop) records the request's own token count
+    # when the unload comes: it must still be running then, short of its max_tokens, or this
+    # checks nothing (12 tokens could all be out before the unload lands: 48 here).
+    long = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    (ref,) = offline.generate(
+        "One, two,", long, use_tqdm=False, lora_request=demo_adapters["demo-lora-b"]
+    )
+    engine = state.engine.engine
+    at_unload: list[tuple[int, bool]] = []
+    real_unload = engine.unload_lora
+
+    def unload_lora(name):
+        for group in engine.groups.values():
+            at_unload.extend((r.num_output_tokens, r.is_finished) for r in group.requests)
+        real_unload(name)
+
+    monkeypatch.setattr(engine, "unload_lora", unload_lora)
+    body = {"model": "b", "prompt": "One, two,", "max_tokens": 48, "temperature": 0}
     with httpx.stream(
         "POST",
         url + "/v1/completions",
-        json={
-            "model": "b",
-            "prompt": "One, two,",
-            "max_tokens": 12,
-            "temperature": 0,
-            "stream": True,
-        },
+        json=body | {"stream": True, "ignore_eos": True},
         headers=HEADERS,
         timeout=60,
     ) as stream:
@@ -77,8 +89,10 @@ def test_load_serve_unload(hot, offline, demo_adapters):
         first = next(line for line in lines if line.startswith("data: "))
         assert post(url, "/v1/unload_lora_adapter", {"lora_name": "b"}).status_code == 200
         rest = [line for line in lines if line.startswith("data: ")]
+    ((num_at_unload, finished),) = at_unload  # the stream's request, and nothing else
+    assert not finished and 1 <= num_at_unload < 48, at_unload
     chunks = [json.loads(x[6:]) for x in [first, *rest] if x != "data: [DONE]"]
-    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == got
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == ref.outputs[0].text
     assert models(url) == [MODEL, "demo-lora-a"]
     assert completion(url, "b").status_code == 404
     assert post(url, "/v1/unload_lora_adapter", {"lora_name": "demo-lora-a"}).status_code == 200

@@ -99,6 +99,55 @@ def test_health_turns_503_when_the_loop_dies(tiny_server):
     assert snap["num_free_blocks"] == snap["num_blocks"]
 
 
+def _die_after_three_tokens(engine) -> None:
+    """A fault injector: the engine's step raises (a bug) once any request holds 3 tokens, so
+    a stream dies mid-way whatever the speed of the machine."""
+    real = engine.step
+
+    def step():
+        if any(r.num_output_tokens >= 3 for g in engine.groups.values() for r in g.requests):
+            raise RuntimeError("injected step failure at /secret/place")
+        return real()
+
+    engine.step = step
+
+
+@pytest.mark.parametrize("client", ["httpx", "openai"])
+def test_engine_death_while_streaming_is_an_error_event(tiny_server, client):
+    """The loop dies after a stream's first tokens: the stream gets OpenAI's error event
+    (`data: {"error": ...}`, then [DONE]) without internals, the official client raises
+    APIError from it, and /health says 503; never a hang (the client's 30 s timeout only fires
+    on one). Fails if a dead engine leaves its streams waiting (ReadTimeout), or closes them
+    with no error (a truncated answer that looks whole)."""
+    url, state = tiny_server
+    _die_after_three_tokens(state.engine.engine)
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 200, "stream": True}
+    body["extra_body"] = {"ignore_eos": True}
+    if client == "openai":
+        import openai
+
+        api = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        text = ""
+        with pytest.raises(openai.APIError) as err:
+            for chunk in api.completions.create(**body):
+                text += chunk.choices[0].text
+        assert text and "the engine stopped" in err.value.message
+        assert "/secret" not in err.value.message and "injected" not in err.value.message
+    else:
+        body |= body.pop("extra_body")
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+            assert r.status_code == 200
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        *chunks, error = [json.loads(e) for e in events[:-1]]
+        assert chunks and all(c["choices"][0]["finish_reason"] is None for c in chunks)
+        assert set(error) == {"error"} and error["error"]["type"] == "server_error"
+        assert error["error"]["message"] == "the engine stopped after an internal error"
+    assert httpx.get(url + "/health").status_code == 503
+    snap = state.engine.engine.snapshot()
+    assert snap["num_free_blocks"] == snap["num_blocks"]
+
+
 @pytest.mark.parametrize(
     "depth, status, words",
     [(100, 200, None), (101, 400, "nests 101 levels deep; at most 100"), (100_000, 400, "far")],

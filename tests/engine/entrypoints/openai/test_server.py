@@ -395,35 +395,83 @@ def test_body_size_limit(smol):
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
 
 
+MAX_TOKENS = 1500
+
+
 def _long_body(stream: bool) -> dict:
     return {
         "model": MODEL,
         "prompt": "Tell me a very long story.",
-        "max_tokens": 1500,
+        "max_tokens": MAX_TOKENS,
         "ignore_eos": True,
         "stream": stream,
+        "logprobs": 1,  # a streamed chunk lists its tokens: the client counts what it saw
     }
 
 
-def test_disconnect_while_streaming_frees_blocks(smol):
+def _record_aborts(monkeypatch, engine) -> dict[str, list[tuple[object, int]]]:
+    """A spy on the engine's abort (it runs on the engine loop): for every group aborted, its
+    engine requests and how many tokens each had generated at that moment."""
+    at_abort: dict[str, list[tuple[object, int]]] = {}
+    real = engine.abort_request
+
+    def abort_request(request_id):
+        group = engine.groups.get(request_id)
+        if group is not None:
+            at_abort[request_id] = [(r, r.num_output_tokens) for r in group.requests]
+        real(request_id)
+
+    monkeypatch.setattr(engine, "abort_request", abort_request)
+    return at_abort
+
+
+def _check_stopped_at_abort(at_abort: dict, seen: int) -> int:
+    """The one request aborted, by its own record: ended as aborted with the tokens it had when
+    the abort came (none after it), at least those the client saw, far short of max_tokens."""
+    from engine.request import RequestStatus
+
+    ((request, num_at_abort),) = [entry for entries in at_abort.values() for entry in entries]
+    assert request.status == RequestStatus.FINISHED_ABORTED
+    assert request.num_output_tokens == num_at_abort
+    assert seen <= num_at_abort < MAX_TOKENS
+    return num_at_abort
+
+
+def test_disconnect_while_streaming_aborts_the_request(smol, monkeypatch):
+    """The client reads 8 tokens and hangs up. The engine's own record of that request: it
+    ended aborted, generated nothing after the abort, and the abort came within a few steps of
+    the hang-up (a generous guard: 200 tokens is seconds of decoding; measured: 1 token past
+    what the client saw).
+    Fails if a disconnect does not abort (the request runs on: wait_idle times out, or its
+    count reaches max_tokens) or if an aborted request keeps being stepped (count > at abort)."""
     url, state = smol
+    at_abort = _record_aborts(monkeypatch, state.engine.engine)
     headers = {"Authorization": f"Bearer {API_KEY}"}
+    seen = 0
     with httpx.stream("POST", url + "/v1/completions", json=_long_body(True), headers=headers) as r:
-        lines = r.iter_lines()
-        assert next(line for line in lines if line.startswith("data:"))
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    seen += len(choice["logprobs"]["tokens"])
+            if seen >= 8:
+                break
         assert state.engine.engine.groups  # running
     snap = wait_idle(state.engine)
     assert snap["num_free_blocks"] == snap["num_blocks"]
+    assert _check_stopped_at_abort(at_abort, seen) <= seen + 200
 
 
-def test_disconnect_while_waiting_frees_blocks(smol):
+def test_disconnect_while_waiting_aborts_the_request(smol, monkeypatch):
+    """A whole-response client that gives up after 1.5 s: its request is aborted by the
+    server's disconnect poll, by the request's own record (as above)."""
     url, state = smol
+    at_abort = _record_aborts(monkeypatch, state.engine.engine)
     headers = {"Authorization": f"Bearer {API_KEY}"}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url + "/v1/completions", json=_long_body(False), headers=headers, timeout=1.5)
     snap = wait_idle(state.engine)
     assert snap["num_free_blocks"] == snap["num_blocks"]
-    assert snap["num_generated_tokens"] > 0
+    assert _check_stopped_at_abort(at_abort, 1) > 0
 
 
 def test_metrics(smol, client):
