@@ -122,7 +122,9 @@ def table_line(name: str, size: int, row: dict, bandwidth: float, rss: float) ->
     )
 
 
-def print_table(bin_dir: Path | None, repeats: int) -> dict[str, float]:
+def print_table(
+    bin_dir: Path | None, repeats: int, models: list[str] | None = None
+) -> dict[str, float]:
     from engine.models.loader import gguf_file
     from engine.models.registry import EMBEDDED_MODELS, ModelNotFoundError, resolve_model
 
@@ -133,7 +135,7 @@ def print_table(bin_dir: Path | None, repeats: int) -> dict[str, float]:
           "engine / llama.cpp | decode GB/s (of bandwidth) | load RSS / file |")  # fmt: skip
     print("|---|---|---|---|---|---|")
     result = {}
-    for name in EMBEDDED_MODELS:
+    for name in models or EMBEDDED_MODELS:
         try:
             gguf = gguf_file(resolve_model(name, dense=False))
         except ModelNotFoundError:

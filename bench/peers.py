@@ -228,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         help="only the per-model table: decode and prompt against llama.cpp, 1 and 2 threads, "
         "bandwidth, memory (bench/peer_table.py)",
     )
+    ap.add_argument("--models", help="with --table: these embedded models (comma-separated)")
     args = ap.parse_args(argv)
     from engine.models.loader import gguf_file
     from engine.models.registry import resolve_model
@@ -238,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         from bench.peer_table import print_table
 
         print(f"CPU: {cpu_summary()}")
-        result = print_table(bin_dir, args.repeats)
+        models = args.models.split(",") if args.models else None
+        result = print_table(bin_dir, args.repeats, models)
         print("RESULT " + " ".join(f"{k}={v:.2f}" for k, v in result.items()))
         return 0
     print(f"CPU: {cpu_summary()}")

@@ -132,8 +132,7 @@ class BlockPool:
             self.ref_counts[block] += 1
 
     def free(self, blocks: Sequence[int]) -> None:
-        """Drop one reference each; the tail of a request goes first in eviction order. A double
-        free raises before any count changes (a negative count: a block in two tables)."""
+        """Drop one reference each, the request's tail first to evict; a double free raises."""
         over = [b for b, n in Counter(blocks).items() if n > self.ref_counts[b]]
         if over:
             raise BlockPoolError(f"double free of blocks {over} (no reference left to drop)")

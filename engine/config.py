@@ -168,25 +168,19 @@ def _is_device(v) -> bool:
 
 
 _POSITIVE = "must be a positive integer"
+_POSITIVE_INTS = """block_size max_num_seqs max_num_batched_tokens max_loras max_lora_rank
+grammar_cache_size grammar_cache_bytes grammar_compile_workers grammar_max_schema_depth
+grammar_max_schema_nodes""".split()  # noqa: SIM905 (names to check alike)
+_STEP_MS = "must be a number of milliseconds in (0, 600000] or None"
 _RULES: list[Rule] = [
-    ("block_size", int_in(1), _POSITIVE),
-    ("max_num_seqs", int_in(1), _POSITIVE),
-    ("max_num_batched_tokens", int_in(1), _POSITIVE),
+    *((name, int_in(1), _POSITIVE) for name in _POSITIVE_INTS),
     ("max_model_len", int_in(1, optional=True), _POSITIVE + " or None"),
-    (
-        "max_step_ms",
-        lambda v: v is None or number_in(0, 600_000, low_open=True)(v),
-        "must be a number of milliseconds in (0, 600000] or None",
-    ),
+    ("max_step_ms", lambda v: v is None or number_in(0, 6e5, low_open=True)(v), _STEP_MS),
     ("kv_cache_memory_bytes", int_in(1, optional=True), _POSITIVE + " or None"),
     ("num_kv_blocks", int_in(2, optional=True), "must be an integer >= 2 or None"),
     ("num_threads", int_in(1, optional=True), _POSITIVE + " or None"),
     ("tensor_parallel_size", int_in(1, 64), "must be an integer in [1, 64]"),
-    (
-        "speculative_method",
-        one_of(None, "ngram", "draft"),
-        "must be 'ngram', 'draft' or None",
-    ),
+    ("speculative_method", one_of(None, "ngram", "draft"), "must be 'ngram', 'draft' or None"),
     ("quantization", one_of(*QUANTIZATIONS), f"must be one of {QUANTIZATIONS}"),
     (
         "draft_quantization",
@@ -200,15 +194,8 @@ _RULES: list[Rule] = [
     ),
     ("ngram_min", int_in(1), "must be an integer >= 1 (and <= ngram_max)"),
     ("ngram_max", int_in(1), "must be an integer >= 1 (and >= ngram_min)"),
-    ("max_loras", int_in(1), _POSITIVE),
-    ("max_lora_rank", int_in(1), _POSITIVE),
     ("max_cpu_loras", int_in(1, optional=True), "must be an integer >= max_loras or None"),
-    ("grammar_cache_size", int_in(1), _POSITIVE),
-    ("grammar_cache_bytes", int_in(1), _POSITIVE),
     ("grammar_compile_timeout", number_in(0, 3600, low_open=True), "must be in (0, 3600] seconds"),
-    ("grammar_compile_workers", int_in(1), _POSITIVE),
-    ("grammar_max_schema_depth", int_in(1), _POSITIVE),
-    ("grammar_max_schema_nodes", int_in(1), _POSITIVE),
     ("kv_cache_memory_fraction", number_in(0.0, 0.9, low_open=True), "must be in (0, 0.9]"),
     ("gpu_memory_utilization", number_in(0.0, 0.98, low_open=True), "must be in (0, 0.98]"),
     ("dtype", one_of(*DTYPES), f"must be one of {sorted(DTYPES)}"),

@@ -148,10 +148,9 @@ class PendingStep:
             for i, fast in enumerate(self.fast):
                 if fast:
                     verdicts[i] = verify_greedy(self.spans[i], argmax)
-        is_nan = host.is_nan.tolist() if host.is_nan is not None else []
+        if host.is_nan is not None and host.is_nan.any():  # they fail alone: NaN argmax tokens
+            self._fail_nan(host.is_nan.tolist())
         for span, member, verdict in zip(self.spans, self.members, verdicts, strict=True):
-            if any(is_nan[span.start : span.end]):  # its tokens are NaN's argmax: worthless
-                member.fail("logits", NonFiniteLogits(NAN_MESSAGE))
             result.sampled.append((member, verdict.tokens))
             if span.drafts:
                 result.num_accepted[member] = verdict.num_accepted
@@ -169,6 +168,11 @@ class PendingStep:
             picks = [(j, t, ask.num_top) for j, t in enumerate(ask.targets)]
             result.prompt_logprobs[ask.request] = (ask.first, top.entries(picks))
         return result
+
+    def _fail_nan(self, is_nan: list[bool]) -> None:  # is_nan: [R] per logits row
+        for span, member in zip(self.spans, self.members, strict=True):
+            if any(is_nan[span.start : span.start + span.num_rows]):
+                member.fail("logits", NonFiniteLogits(NAN_MESSAGE))
 
 
 class LaunchedStep:
@@ -349,8 +353,7 @@ class ModelRunner:
     def _sample(self, hidden: torch.Tensor, verify_rows) -> PendingStep:
         """verify_rows: (request, row of its last real token, its drafts, their q or None); the
         drafts' rows follow the last real token's. Queues the sampling (and verification) of
-        every request that samples; keeps their tokens on the device when asked
-        (keep_sampled)."""
+        every request that samples; keeps their tokens on the device if keep_sampled."""
         rows: list[int] = []
         pending = PendingStep(DeviceResults())
         spans, members = pending.spans, pending.members
@@ -367,8 +370,7 @@ class ModelRunner:
         self.sampled = None
         if not rows:
             return pending
-        # Greedy requests that nothing reshapes need only their rows' argmax; the others' rows
-        # go through grammar masks, the logits pipeline and verification.
+        # Greedy rows that nothing reshapes need only argmax; the rest are masked and verified.
         pending.fast = [argmax_suffices(m) for m in members]
         pending.slow = [i for i, fast in enumerate(pending.fast) if not fast]
         logits = self.device_logits(hidden, rows)  # [R, V] on the device
