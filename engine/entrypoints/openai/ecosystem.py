@@ -128,7 +128,7 @@ def resolve_aliases(body: dict, is_chat: bool) -> dict:
         if not 0 < probs <= MAX_LOGPROBS:
             raise APIError(f"n_probs must be in [0, {MAX_LOGPROBS}], got {probs}", "n_probs")
         field = "top_logprobs" if is_chat else "logprobs"
-        if body.get(field) not in (None, probs):
+        if body.get(field) not in (None, probs) or (is_chat and body.get("logprobs") is False):
             raise APIError(f"n_probs and {field} disagree; give one", "n_probs")
         body[field] = probs
         if is_chat:

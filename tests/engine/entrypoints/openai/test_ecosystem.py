@@ -173,6 +173,7 @@ NOT_SERVED = [
     ("chat", {"echo": True}, "echo"),
     ("chat", {"prompt_logprobs": 1}, "prompt_logprobs"),
     ("chat", {"n_probs": 21}, "n_probs"),
+    ("chat", {"n_probs": 2, "logprobs": False}, "n_probs"),
     ("chat", {"n_predict": 0}, "n_predict"),
     ("chat", {"n_predict": 3, "max_completion_tokens": 4}, "n_predict"),
     ("chat", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
