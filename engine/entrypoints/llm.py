@@ -32,19 +32,25 @@ def chat_prompt_ids(
     continue_final_message: bool = False,
     add_special_tokens: bool = False,
     tools: list[dict] | None = None,
+    documents: list[dict] | None = None,
+    template_kwargs: dict | None = None,
 ) -> list[int]:
     """The token ids of a conversation in the model's chat template: ready for the reply, or
     (continue_final_message) open at the end of the last message, to be continued. tools:
-    the function tools the prompt shows (engine.entrypoints.tools.render_messages says how)."""
+    the function tools the prompt shows (engine.entrypoints.tools.render_messages says how);
+    documents and template_kwargs (variables the template reads, such as Qwen3's
+    enable_thinking) go to the template as HF's apply_chat_template passes them."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; use generate()")
     knows_tools = template_knows_tools(tokenizer)
     text = tokenizer.apply_chat_template(
         render_messages(messages, tools, knows_tools),
         tools=tools if knows_tools else None,
+        documents=documents,
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
         tokenize=False,
+        **(template_kwargs or {}),
     )
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
@@ -172,13 +178,16 @@ class LLM:
         tools: list[dict] | None = None,
         tool_choice: str | dict | None = None,
         parallel_tool_calls: bool | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """tools, tool_choice, parallel_tool_calls: OpenAI's (engine.entrypoints.tools); each
-        completion's calls are then in its `tool_calls` (its text stays what the model wrote)."""
+        completion's calls are then in its `tool_calls` (its text stays what the model wrote).
+        chat_template_kwargs: variables the chat template reads (vLLM's; Qwen3's
+        enable_thinking)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         spec = Tools.parse(tools, tool_choice, parallel_tool_calls)
         shown = spec.in_prompt if spec else None
-        prompts = [self.apply_chat_template(c, tools=shown) for c in conversations]
+        prompts = [self.apply_chat_template(c, shown, chat_template_kwargs) for c in conversations]
         if spec is not None:
             _, params = self._normalize(prompts, sampling_params)
             sampling_params = [spec.apply(p) for p in params]
@@ -200,9 +209,14 @@ class LLM:
             self._settle()
 
     def apply_chat_template(
-        self, messages: list[dict], tools: list[dict] | None = None
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[int]:
-        return chat_prompt_ids(self.tokenizer, messages, tools=tools)
+        return chat_prompt_ids(
+            self.tokenizer, messages, tools=tools, template_kwargs=chat_template_kwargs
+        )
 
     def abort(self, request_id: str | list[str]) -> None:
         self.engine.abort_request(request_id)

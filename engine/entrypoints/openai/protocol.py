@@ -78,9 +78,31 @@ IGNORED_FIELDS: dict[str, tuple[type, ...]] = {
     "safety_identifier": (str,),
     "prompt_cache_key": (str,),  # our prefix cache needs no key (cache_salt isolates)
     "reasoning_effort": (str,),  # no reasoning models here
+    # vLLM's and llama.cpp's that change no output here:
+    "cache_prompt": (bool,),  # llama.cpp's; prefix caching is automatic
+    "id_slot": (int,),  # llama.cpp's slot choice (one engine batches every request)
+    "timings_per_token": (bool,),  # llama.cpp's timing report
+    "priority": (int,),  # vLLM's scheduling priority (requests run first come, first served)
+    "request_id": (str,),  # vLLM's; response ids stay the server's (unique across clients)
+    "spaces_between_special_tokens": (bool,),  # no effect with fast tokenizers (as in vLLM)
+    "guided_decoding_backend": (str,),  # one backend (xgrammar)
+}
+# Fields vLLM's and llama.cpp's clients send that the server honours (ecosystem.py says how).
+ECOSYSTEM_FIELDS: dict[str, tuple[type, ...]] = {
+    "n_predict": (int,),  # llama.cpp's max_tokens (-1: no limit)
+    "n_probs": (int,),  # llama.cpp's top logprobs per token
+    "truncate_prompt_tokens": (int,),  # vLLM's: keep the prompt's last N tokens
+}
+CHAT_TEMPLATE_FIELDS: dict[str, tuple[type, ...]] = {  # vLLM's, for the chat template
+    "chat_template_kwargs": (dict,),
+    "add_generation_prompt": (bool,),
+    "continue_final_message": (bool,),
+    "add_special_tokens": (bool,),
+    "documents": (list,),
 }
 _COMMON_FIELDS: dict[str, tuple[type, ...]] = {
     **IGNORED_FIELDS,
+    **ECOSYSTEM_FIELDS,
     "model": (str,),
     "stream": (bool,),
     "stream_options": (dict,),
@@ -107,12 +129,10 @@ COMPLETION_FIELDS = {
     "prompt_logprobs": (int,),
 }
 TOKENIZE_FIELDS = {  # vLLM's /tokenize: a prompt, or chat messages
+    **CHAT_TEMPLATE_FIELDS,
     "model": (str,),
     "prompt": (str,),
     "messages": (list,),
-    "add_special_tokens": (bool,),
-    "add_generation_prompt": (bool,),
-    "continue_final_message": (bool,),
     "return_token_strs": (bool,),
 }
 DETOKENIZE_FIELDS = {"model": (str,), "tokens": (list,)}
@@ -120,6 +140,7 @@ LOAD_LORA_FIELDS = {"lora_name": (str,), "lora_path": (str,)}  # vLLM's adapter 
 UNLOAD_LORA_FIELDS = {"lora_name": (str,), "lora_int_id": (int,)}
 CHAT_FIELDS = {
     **_COMMON_FIELDS,
+    **CHAT_TEMPLATE_FIELDS,
     "messages": (list,),
     "max_completion_tokens": (int,),
     "logprobs": (bool,),
@@ -181,19 +202,24 @@ PARSE_INLINE_BYTES = 64 * 1024
 
 
 def check_fields(body, fields: dict[str, tuple[type, ...]]) -> dict:
+    """A body of the adapter admin routes: every field known (a misspelt one would load
+    something else), each of its type."""
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
     for name, value in body.items():
         if name not in fields:
             raise APIError(f"unknown parameter {name!r}", name)
-        if value is None:
-            continue
-        kinds = fields[name]
-        ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
-        if not ok:
-            names = " or ".join(_TYPE_NAMES[k] for k in kinds)
-            raise APIError(f"{name} must be {names}, got {value!r:.100}", name)
+        check_type(name, value, fields[name])
     return body
+
+
+def check_type(name: str, value, kinds: tuple[type, ...]) -> None:
+    if value is None:
+        return
+    ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+    if not ok:
+        names = " or ".join(_TYPE_NAMES[k] for k in kinds)
+        raise APIError(f"{name} must be {names}, got {value!r:.100}", name)
 
 
 _TYPE_NAMES = {
@@ -356,11 +382,11 @@ def _text_content(i: int, m: dict) -> str | None:
     return content
 
 
-def tokenize(body: dict, tokenizer, max_model_len: int) -> dict:
+def tokenize(body: dict, tokenizer, max_model_len: int, template: dict | None = None) -> dict:
     """vLLM's /tokenize answer: a prompt's ids (special tokens added unless
-    add_special_tokens is false), or chat messages' through the chat template (ready for the
-    reply unless add_generation_prompt is false; continue_final_message leaves the last
-    message open; no special tokens added unless asked)."""
+    add_special_tokens is false), or chat messages' through the chat template with the
+    template's arguments (ecosystem.chat_template_options: ready for the reply unless
+    add_generation_prompt is false, continue_final_message, chat_template_kwargs ...)."""
     if (body.get("prompt") is None) == (body.get("messages") is None):
         raise APIError("give exactly one of prompt and messages", "prompt")
     if body.get("prompt") is not None:
@@ -369,16 +395,9 @@ def tokenize(body: dict, tokenizer, max_model_len: int) -> dict:
         )
     else:
         messages = check_messages(body["messages"])
-        generation = body.get("add_generation_prompt", True)
-        cont = bool(body.get("continue_final_message"))
-        if generation and cont:
-            raise APIError(
-                "continue_final_message needs add_generation_prompt=false", "continue_final_message"
-            )
         if not getattr(tokenizer, "chat_template", None):
             raise APIError("this model has no chat template; tokenize a prompt", "messages")
-        special = body.get("add_special_tokens", False)
-        ids = chat_prompt_ids(tokenizer, messages, generation, cont, special)
+        ids = chat_prompt_ids(tokenizer, messages, **(template or {}))
     strs = tokenizer.convert_ids_to_tokens(ids) if body.get("return_token_strs") else None
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
 

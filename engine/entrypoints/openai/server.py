@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException
 
 from engine.entrypoints.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from engine.entrypoints.llm import chat_prompt_ids
-from engine.entrypoints.openai import protocol, responses
+from engine.entrypoints.openai import ecosystem, protocol, responses
 from engine.entrypoints.openai.admission import Admission, AdmissionLimits, Ticket
 from engine.entrypoints.openai.browser import BrowserGuard, server_hosts
 from engine.entrypoints.openai.login import add_login_routes
@@ -30,6 +30,7 @@ from engine.entrypoints.openai.metrics import ServerMetrics
 from engine.entrypoints.openai.middleware import APIKeyCheck, BodySizeLimit, error_response
 from engine.entrypoints.openai.protocol import APIError
 from engine.entrypoints.openai.responses import Echo, ResponseContext
+from engine.entrypoints.openai.tokenizer_routes import add_tokenizer_routes
 from engine.entrypoints.tools import Tools
 from engine.outputs import RequestOutput
 from lora.adapter import LoRARequest
@@ -142,23 +143,7 @@ def build_app(state: ServerState) -> FastAPI:
         cards += [state.model_card(name) for name in state.adapters]
         return {"object": "list", "data": cards}
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> dict:
-        body = protocol.check_fields(await protocol.read_json(request), protocol.TOKENIZE_FIELDS)
-        state.lora_for(body.get("model"))  # an unknown model is a 404, as everywhere
-        return await asyncio.to_thread(
-            protocol.tokenize, body, state.tokenizer, state.max_model_len
-        )
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> dict:
-        body = protocol.check_fields(await protocol.read_json(request), protocol.DETOKENIZE_FIELDS)
-        state.lora_for(body.get("model"))
-        ids = protocol.detokenize_ids(body, state.engine.engine.vocab_size)
-        decoder = state.engine.engine.decoder  # as the engine's outputs: no space clean-up
-        text = await asyncio.to_thread(decoder, ids, skip_special_tokens=False)
-        return {"prompt": text}
-
+    add_tokenizer_routes(app, state)
     add_lora_routes(app, state)
 
     @app.post("/v1/completions")
@@ -193,13 +178,15 @@ async def _completion_inputs(state: ServerState, body: dict, ticket: Ticket, wid
         prompt_logprobs = max(logprobs, prompt_logprobs or 0)
     params = protocol.sampling_params(
         body,
-        16,
+        None if body.get("n_predict") == -1 else 16,  # llama.cpp's -1: up to the context
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         max_tokens=1 if only else None,
     )
     ticket.admit(len(prompts), width or params.n)
     ids = await asyncio.to_thread(_encode_all, state, prompts)
+    if body.get("truncate_prompt_tokens") is not None:  # echo shows what the model read
+        prompts = ids = [ecosystem.truncate(i, body) for i in ids]
     ticket.add_tokens(sum(len(i) for i in ids) * (width or params.n))
     fields = {"with_prompt_logprobs": body.get("prompt_logprobs") is not None}
     if echo:
@@ -231,15 +218,19 @@ async def _chat_inputs(state: ServerState, body: dict, ticket: Ticket, width: in
     max_tokens = body.get("max_completion_tokens")
     params = protocol.sampling_params(body, None, logprobs=logprobs, max_tokens=max_tokens)
     ticket.admit(1, width or params.n)
+    template = ecosystem.chat_template_options(body)
     try:
         tools = Tools.parse(
             body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")
         )
         shown = tools.in_prompt if tools else None
-        ids = await asyncio.to_thread(chat_prompt_ids, state.tokenizer, messages, tools=shown)
+        with ecosystem.template_errors(template):
+            render = functools.partial(chat_prompt_ids, tools=shown, **template)
+            ids = await asyncio.to_thread(render, state.tokenizer, messages)
         params = tools.apply(params) if tools else params
     except ValueError as exc:
         raise protocol.param_error(exc, body, "messages") from None
+    ids = ecosystem.truncate(ids, body)
     ticket.add_tokens(len(ids) * (width or params.n))
     return [ids], params, lora, {"tools": tools is not None and tools.choice != "none"}
 
@@ -281,9 +272,12 @@ async def _generate(state: ServerState, request: Request, kind: str) -> Response
 async def _answer(state: ServerState, request: Request, kind: str, ticket: Ticket) -> Response:
     is_chat = kind == "chat"
     fields = protocol.CHAT_FIELDS if is_chat else protocol.COMPLETION_FIELDS
-    body = protocol.check_fields(await protocol.read_json(request), fields)
+    refused = ecosystem.CHAT_REFUSED_FIELDS if is_chat else ecosystem.REFUSED_FIELDS
+    body, ignored = ecosystem.check_request(await protocol.read_json(request), fields, refused)
+    body = ecosystem.resolve_aliases(body, is_chat)
+    headers = ecosystem.ignored_headers(ignored, request.url.path)
     if body.get("use_beam_search"):
-        return await _beam_search(state, request, body, kind, ticket)
+        return await _beam_search(state, request, body, kind, ticket, headers)
     if not is_chat:
         protocol.refuse_unsupported(body)
     inputs = _chat_inputs if is_chat else _completion_inputs
@@ -300,14 +294,14 @@ async def _answer(state: ServerState, request: Request, kind: str, ticket: Ticke
     with_spec_stats = bool(body.get("return_spec_stats"))
     if body.get("stream"):
         events = _sse(ctx, streams, protocol.include_usage(body), with_spec_stats)
-        return _TicketedStream(events, ticket, media_type="text/event-stream")
+        return _TicketedStream(events, ticket, media_type="text/event-stream", headers=headers)
     finals = await _collect_unless_disconnected(request, streams)
     if finals is None:
         return Response(status_code=499)  # nobody is listening
     failed = next((f for f in finals if f.error), None)
     if failed:  # its own processing failed; the engine and other requests are fine
         raise request_failed(failed)
-    return JSONResponse(responses.final_response(ctx, finals, with_spec_stats))
+    return JSONResponse(responses.final_response(ctx, finals, with_spec_stats), headers=headers)
 
 
 class _TicketedStream(StreamingResponse):
@@ -326,7 +320,7 @@ class _TicketedStream(StreamingResponse):
 
 
 async def _beam_search(
-    state: ServerState, request: Request, body: dict, kind: str, ticket: Ticket
+    state: ServerState, request: Request, body: dict, kind: str, ticket: Ticket, headers: dict
 ) -> Response:
     """vLLM's use_beam_search (whole responses only): the engine runs the beams, the n best of
     each prompt come back as its choices."""
@@ -348,7 +342,8 @@ async def _beam_search(
         search.cancel()  # (done already, or its client left: its beams are aborted)
     if found is None:
         return Response(status_code=499)  # nobody is listening
-    return JSONResponse(responses.final_response(ctx, responses.beam_outputs(found[0], n)))
+    answer = responses.final_response(ctx, responses.beam_outputs(found[0], n))
+    return JSONResponse(answer, headers=headers)
 
 
 def request_failed(out: RequestOutput) -> APIError:

@@ -63,7 +63,7 @@ TOKENIZE_ERRORS = [
         "add_generation_prompt=false",
     ),
     ("/tokenize", {"prompt": "a", "model": "nope"}, 404, "model", "nope"),
-    ("/tokenize", {"prompt": "a", "frobnicate": 1}, 400, "frobnicate", "frobnicate"),
+    ("/tokenize", {"prompt": "a", "documents": {}}, 400, "documents", "must be an array"),
     ("/detokenize", {}, 400, "tokens", "required"),
     ("/detokenize", {"tokens": "abc"}, 400, "tokens", "must be an array"),
     ("/detokenize", {"tokens": [1, -1]}, 400, "tokens", "-1"),
