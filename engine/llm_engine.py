@@ -163,6 +163,7 @@ class LLMEngine:
                 )
         self.scheduler.check_fits(len(ids), params, self.max_model_len)
         params.check_vocab(self.vocab_size)
+        predicted = self.speculation.prediction_ids(params, self.tokenizer, self.vocab_size)
         compiled = compiled_grammar
         if compiled is None:
             compiled = self.compile_constraint(params.structured_outputs)
@@ -189,6 +190,8 @@ class LLMEngine:
             r.lora, r.draft_lora = adapter, draft_adapter
             if compiled is not None:
                 self.grammar.attach(r, compiled, params.structured_outputs.kind)
+            if predicted is not None:
+                self.speculation.predict(r, predicted)
         group = RequestGroup(request_id, text, requests, self.decoder)
         self.groups[request_id] = group
         self.scheduler.add(group.leader)

@@ -49,6 +49,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     num_speculative_tokens: int | None = None  # drafts per step; None: the engine's default
+    # Predicted Outputs: text (or token ids) the output will mostly repeat, verified as drafts.
+    prediction: str | list[int] | None = None
     # Constrained output: a JSON schema, json_object, regex, EBNF grammar or choice list
     # (a StructuredOutputs or a dict with its field names).
     structured_outputs: StructuredOutputs | dict | None = None

@@ -18,6 +18,7 @@ from engine.request import Request
 from engine.scheduler import SchedulerOutput
 from spec.adaptive import Acceptance, AdaptiveSpeculation
 from spec.draft_model import DraftModelProposer
+from spec.prediction import Prediction, prediction_ids
 from spec.proposer import ForcedTokens, NgramProposer, Proposer
 from spec.stats import SpecStats
 
@@ -36,6 +37,9 @@ class Speculation:
         self._by_request: WeakKeyDictionary[Request, SpecStats] = WeakKeyDictionary()
         self.wanted: dict[Request, int] = {}  # the last plan's draft slots per request
         self._forced: dict[Request, list[int]] = {}  # the last plan's forced tokens
+        # Predicted Outputs (spec.prediction): each request's, and the last plan's drafts from it.
+        self.predictions: WeakKeyDictionary[Request, Prediction] = WeakKeyDictionary()
+        self._predicted: dict[Request, list[int]] = {}
         # Whether steps carry drafts at all (a proposer, or forced tokens): the engine plans,
         # proposes and accounts only then.
         self.active = proposer is not None
@@ -51,6 +55,16 @@ class Speculation:
     def force_with(self, forcer: ForcedTokens) -> None:
         """Tokens `forcer` knows ride in the draft slots from now on."""
         self.forced_tokens, self.active = forcer, True
+
+    @staticmethod
+    def prediction_ids(params, tokenizer, vocab_size: int) -> list[int] | None:
+        """The request's prediction, checked, as token ids (None: it gave none)."""
+        return prediction_ids(params.prediction, tokenizer, vocab_size)
+
+    def predict(self, request: Request, token_ids: list[int]) -> None:
+        """The request's output will mostly repeat token_ids: they ride in its draft slots
+        after its forced tokens, on any engine (speculation is active from now on)."""
+        self.predictions[request], self.active = Prediction(token_ids), True
 
     def of(self, request: Request) -> SpecStats:
         """The request's own counters."""
@@ -73,9 +87,9 @@ class Speculation:
     # ---- before scheduling -------------------------------------------------------------
     def plan(self, running: list[Request]) -> dict[Request, int]:
         """Draft slots each running request asks for in the coming step (`wanted`, what the
-        scheduler reads): its forced tokens, then its own k if it set one, else the engine's (a
-        fixed k, or the adaptive plan capped by it)."""
-        self.wanted, self._forced = {}, {}
+        scheduler reads): its forced tokens and its prediction's drafts, then its own k if it set
+        one, else the engine's (a fixed k, or the adaptive plan capped by it)."""
+        self.wanted, self._forced, self._predicted = {}, {}, {}
         adaptive = []
         for request in running:
             # (A token still in flight: what it forces next is not known yet.)
@@ -88,15 +102,29 @@ class Speculation:
                     forced = []
                 if forced:
                     self._forced[request] = forced
+            prediction = self.predictions.get(request) if ready else None
+            if prediction is not None:
+                self._plan_prediction(request, prediction)
             k = request.params.num_speculative_tokens if self.proposer is not None else 0
             self.wanted[request] = self.k if k is None else k
             if k is None and self.adaptive is not None and request.is_decoding:
                 adaptive.append(request)
         if adaptive:
             self._plan_adaptive(adaptive)
-        for request, forced in self._forced.items():
-            self.wanted[request] = min(len(forced) + self.wanted[request], MAX_SPECULATIVE_TOKENS)
+        for request in self._forced.keys() | self._predicted.keys():
+            free = len(self._forced.get(request, ())) + len(self._predicted.get(request, ()))
+            self.wanted[request] = min(free + self.wanted[request], MAX_SPECULATIVE_TOKENS)
         return self.wanted
+
+    def _plan_prediction(self, request: Request, prediction: Prediction) -> None:
+        """Up to MAX_SPECULATIVE_TOKENS drafts after the forced ones: a prediction, once in
+        step with the output, tends to run on for many tokens (an edit changes a few lines of a
+        file), so the longest run per step spreads each step's fixed cost furthest."""
+        forced = self._forced.get(request, [])
+        limit = MAX_SPECULATIVE_TOKENS - len(forced)
+        drafts = prediction.drafts(request.output_token_ids, forced, limit)
+        if drafts:
+            self._predicted[request] = drafts
 
     def _plan_adaptive(self, requests: list[Request]) -> None:
         candidates = []
@@ -117,7 +145,8 @@ class Speculation:
         did not fill."""
         for request, _, k in sched.scheduled():
             if k:
-                sched.drafts[request] = self._forced.get(request, [])[:k]
+                free = self._forced.get(request, []) + self._predicted.get(request, [])
+                sched.drafts[request] = free[:k]
         if self.proposer is not None:
             self.proposer.propose(sched, tables)
         for i, request in enumerate(sched.requests):
@@ -141,7 +170,7 @@ class Speculation:
     def holds_back(self, request: Request, sched: SchedulerOutput) -> bool:
         """Whether the request's next step depends on this step's tokens on the host (its
         drafts or forced tokens are built from them), so steps may not overlap."""
-        if self.proposer is not None or sched.drafts_of(request):
+        if self.proposer is not None or sched.drafts_of(request) or request in self.predictions:
             return True
         return self.forced_tokens is not None and self.forced_tokens.applies_to(request)
 
@@ -167,17 +196,21 @@ class Speculation:
                 own.target_seconds += (t2 - t1) * n / num_tokens
 
     def record(self, request: Request, num_drafts: int, num_forced: int, num_accepted: int) -> None:
-        """One verification of the request's drafts (the first num_forced of them forced):
-        counters, and the adaptive planner's acceptance history."""
-        self.of(request).record(num_drafts, num_accepted, num_forced)
-        self.stats.record(num_drafts, num_accepted, num_forced)
+        """One verification of the request's drafts (the first num_forced of them forced, then
+        its prediction's): counters, and the adaptive planner's acceptance history."""
+        # The prediction's drafts came right after the forced ones (a grammar may have cut them).
+        planned = len(self._predicted.get(request, ())) if self.predictions else 0
+        num_predicted = max(0, min(planned, num_drafts - num_forced))
+        counts = (num_drafts, num_accepted, num_forced, num_predicted)
+        self.of(request).record(*counts)
+        self.stats.record(*counts)
         if request.lora is not None:  # acceptance per adapter
-            by_adapter = self.by_adapter.setdefault(request.lora.name, SpecStats())
-            by_adapter.record(num_drafts, num_accepted, num_forced)
-        if self.adaptive is not None and num_accepted >= num_forced:
-            # The proposer's share: its drafts were judged only if the forced ones held.
+            self.by_adapter.setdefault(request.lora.name, SpecStats()).record(*counts)
+        free = num_forced + num_predicted
+        if self.adaptive is not None and num_accepted >= free:
+            # The proposer's share: its drafts were judged only if the free ones held.
             self.adaptive.observe_verification(
-                self.acceptance(request), num_drafts - num_forced, num_accepted - num_forced
+                self.acceptance(request), num_drafts - free, num_accepted - free
             )
 
     def describe_request(self, request: Request) -> dict:

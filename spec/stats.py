@@ -12,6 +12,8 @@ class SpecStats:
     num_accepted: int = 0
     num_forced: int = 0  # drafts that were forced tokens (e.g. by a grammar), not proposals
     num_forced_accepted: int = 0
+    num_predicted: int = 0  # drafts from the request's prediction (Predicted Outputs)
+    num_predicted_accepted: int = 0
     # Per request: its share of step time (draft passes by its drafts, the target's forward and
     # verification by its rows). The engine's own totals are Speculation.seconds.
     draft_seconds: float = 0.0
@@ -33,18 +35,25 @@ class SpecStats:
                     setattr(total, f.name, mine + theirs)
         return total
 
-    def record(self, num_drafts: int, num_accepted: int, num_forced: int = 0) -> None:
+    def record(
+        self, num_drafts: int, num_accepted: int, num_forced: int = 0, num_predicted: int = 0
+    ) -> None:
         """One verification: the first num_accepted of num_drafts drafts were accepted; the
-        first num_forced drafts were forced tokens."""
+        first num_forced drafts were forced tokens, the num_predicted after them a prediction's."""
         if num_drafts == 0:
             return
-        if not 0 <= num_accepted <= num_drafts or not 0 <= num_forced <= num_drafts:
-            raise ValueError(f"accepted {num_accepted}, forced {num_forced} of {num_drafts}")
+        if not 0 <= num_accepted <= num_drafts or not 0 <= num_forced + num_predicted <= num_drafts:
+            raise ValueError(
+                f"accepted {num_accepted}, forced {num_forced}, predicted {num_predicted} "
+                f"of {num_drafts}"
+            )
         self.num_steps += 1
         self.num_drafts += num_drafts
         self.num_accepted += num_accepted
         self.num_forced += num_forced
         self.num_forced_accepted += min(num_forced, num_accepted)
+        self.num_predicted += num_predicted
+        self.num_predicted_accepted += max(0, min(num_predicted, num_accepted - num_forced))
         grow = num_drafts - len(self.drafted_at)  # ([0] * a negative count is [])
         self.drafted_at += [0] * grow
         self.accepted_at += [0] * grow

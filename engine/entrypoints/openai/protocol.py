@@ -117,6 +117,7 @@ _COMMON_FIELDS: dict[str, tuple[type, ...]] = {
     "return_spec_stats": (bool,),  # ours: the request's speculation counters in the response
     "use_beam_search": (bool,),  # vLLM's: n (or best_of) beams, the best n returned
     "length_penalty": _NUMBER,
+    "prediction": (dict,),  # OpenAI's Predicted Outputs (prediction_content)
     **_SAMPLING_FIELDS,
 }
 COMPLETION_FIELDS = {
@@ -283,10 +284,31 @@ def sampling_params(body: dict, max_tokens_default: int | None, **overrides) -> 
     kwargs = {k: body[k] for k in _SAMPLING_FIELDS if body.get(k) is not None}
     kwargs.setdefault("max_tokens", max_tokens_default)
     kwargs.update({k: v for k, v in overrides.items() if v is not None})
+    kwargs["prediction"] = prediction_content(body.get("prediction"))
     try:
         return SamplingParams(**kwargs, structured_outputs=structured_outputs(body))
     except ValueError as exc:
         raise param_error(exc, body, "structured_outputs") from None
+
+
+def prediction_content(prediction: dict | None) -> str | None:
+    """The text of OpenAI's `prediction` ({"type": "content", "content": a string or a list of
+    {"type": "text", "text": ...} parts}); 400 naming it for any other shape."""
+    if prediction is None:
+        return None
+    content = prediction.get("content")
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        for p in content
+    ):
+        content = "".join(p["text"] for p in content)
+    if prediction.get("type") != "content" or not isinstance(content, str) or len(prediction) > 2:
+        raise APIError(
+            'prediction must be {"type": "content", "content": a string or a list of text '
+            f"parts}}, got {prediction!r:.100}",
+            "prediction",
+        )
+    return content
 
 
 def refuse_unsupported(body: dict) -> None:
@@ -308,6 +330,7 @@ _NOT_WITH_BEAMS = (
     "tools",
     "response_format",
     "structured_outputs",
+    "prediction",
     *_LEGACY_CONSTRAINTS,
 )
 

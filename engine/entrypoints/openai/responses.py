@@ -36,6 +36,7 @@ class ResponseContext:
     tools: bool = False
     with_prompt_logprobs: bool = False  # vLLM's prompt_logprobs field, when asked for
     with_cached_tokens: bool = False  # usage shows cached_tokens (the server's flag)
+    with_prediction: bool = False  # usage shows the prediction's accepted and rejected tokens
     id: str = ""
     created: int = 0
     parsers: dict[int, ToolCallParser] = field(default_factory=dict)
@@ -65,9 +66,15 @@ class ResponseContext:
         return bool(self.echoes) and self.echoes[0].only
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached: int | None = None) -> dict:
+def usage(
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached: int | None = None,
+    predicted: SpecStats | None = None,
+) -> dict:
     """OpenAI's usage; prompt_tokens_details.cached_tokens only when given (a server flag:
-    it tells a client which prefixes others sent)."""
+    it tells a client which prefixes others sent); completion_tokens_details with a prediction's
+    drafts accepted and rejected when the request gave one (`predicted`: its counters)."""
     body = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -75,7 +82,20 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: int | None = None)
     }
     if cached is not None:
         body["prompt_tokens_details"] = {"cached_tokens": cached}
+    if predicted is not None:
+        accepted = predicted.num_predicted_accepted
+        body["completion_tokens_details"] = {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": predicted.num_predicted - accepted,
+        }
     return body
+
+
+def prediction_stats(ctx: ResponseContext, outs: list[RequestOutput]) -> SpecStats | None:
+    """The requests' speculation counters summed, for usage, when they gave a prediction."""
+    if not ctx.with_prediction:
+        return None
+    return SpecStats.merged(o.metrics.spec for o in outs if o.metrics and o.metrics.spec)
 
 
 def _top(position: dict[int, Logprob], limit: int) -> list[tuple[int, Logprob]]:
@@ -243,6 +263,7 @@ def final_response(
         sum(len(out.prompt_token_ids) for out in outs),
         completion_tokens(ctx, outs),
         sum(out.num_cached_tokens for out in outs) if ctx.with_cached_tokens else None,
+        prediction_stats(ctx, outs),
     )
     if with_spec_stats:
         body["speculation"] = spec_stats(outs)

@@ -285,6 +285,7 @@ async def _answer(state: ServerState, request: Request, kind: str, ticket: Ticke
     model = body.get("model") or state.model_name
     ctx = ResponseContext(kind, model, n=params.n, logprobs=params.logprobs, **fields)
     ctx.with_cached_tokens = state.show_cached_tokens
+    ctx.with_prediction = body.get("prediction") is not None
     what = "messages" if is_chat else "prompt"
     _check_max_tokens(state, ids, params, what)
     # With API keys, a request without a salt takes its key's: tenants share no KV unless
@@ -477,7 +478,10 @@ async def _sse(
             num_prompt_tokens = sum(len(out.prompt_token_ids) for out in last.values())
             cached = sum(out.num_cached_tokens for out in last.values())
             cached = cached if ctx.with_cached_tokens else None
-            tail["usage"] = responses.usage(num_prompt_tokens, num_completion_tokens, cached)
+            predicted = responses.prediction_stats(ctx, list(last.values()))
+            tail["usage"] = responses.usage(
+                num_prompt_tokens, num_completion_tokens, cached, predicted
+            )
         if with_spec_stats:
             tail["speculation"] = responses.spec_stats(list(last.values()))
         yield _event(tail)
