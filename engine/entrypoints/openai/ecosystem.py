@@ -29,7 +29,6 @@ logger = logging.getLogger("tandem.server")
 _NO_VALUE: tuple = ()
 REFUSED_FIELDS: dict[str, tuple[tuple, str]] = {
     # OpenAI's
-    "prediction": (_NO_VALUE, "Predicted Outputs are not served yet"),
     "audio": (_NO_VALUE, "audio output is not served (text only)"),
     "modalities": ((["text"],), 'only ["text"] is served'),
     "web_search_options": (_NO_VALUE, "web search is not served"),

@@ -166,7 +166,6 @@ def test_ignored_field_names_cannot_forge_headers(smol):
 NOT_SERVED = [
     ("chat", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ("chat", {"modalities": ["text", "audio"]}, "modalities"),
-    ("chat", {"prediction": {"type": "content", "content": "x"}}, "prediction"),
     ("chat", {"web_search_options": {}}, "web_search_options"),
     ("chat", {"functions": [{"name": "f"}]}, "functions"),
     ("chat", {"chat_template": "{{ messages }}"}, "chat_template"),
