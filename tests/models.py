@@ -127,3 +127,55 @@ def prompt_scores(llm, seqs: list[list[int]]) -> list[torch.Tensor]:
         torch.tensor([lp[t].logprob for t, lp in zip(s[1:], o.prompt_logprobs[1:], strict=True)])
         for s, o in zip(seqs, outs, strict=True)
     ]
+
+
+# The engine settings each architecture's HF-parity tests run through.
+PARITY_ENGINES = [
+    dict(num_kv_blocks=128),
+    dict(num_kv_blocks=128, enable_prefix_caching=True, max_num_batched_tokens=7),
+    dict(num_kv_blocks=48, block_size=4),  # preempted and recomputed
+    dict(num_kv_blocks=128, speculative_method="ngram", num_speculative_tokens=3),
+]
+PARITY_IDS = ["batched", "prefix-cache-chunks", "preemption", "ngram"]
+
+
+def parity_prompts(seed: int, lens=(1, 9, 17, 40, 130)) -> list[list[int]]:
+    """Random byte prompts of the given lengths, then two sharing a 24-token prefix (one with
+    a repeated tail, for n-gram drafts)."""
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randint(0, 256, (24,), generator=g).tolist()
+    out = [torch.randint(0, 256, (n,), generator=g).tolist() for n in lens]
+    return out + [shared + [7, 8, 9], shared + [7, 8, 9] * 4]
+
+
+def engine_greedy(model_dir, prompts, new_tokens: int, **engine_args) -> list[list[int]]:
+    """The engine's greedy ids, exactly new_tokens per prompt; every block back in the pool
+    after, and at block_size 4 (PARITY_ENGINES' preemption row) at least one preemption."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), **engine_args)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, min_tokens=new_tokens)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    snap = llm.engine.snapshot()
+    assert snap["num_free_blocks"] == snap["num_blocks"]
+    if engine_args.get("block_size") == 4:
+        assert snap["num_preemptions"] > 0
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def adapter_greedy_and_peft(model_dir, targets, prompts, new_tokens: int, tmp_path):
+    """(the engine's greedy ids with a seeded rank-8 PEFT adapter on `targets`, PEFT's own)."""
+    from peft import PeftModel
+
+    from engine import LLM, SamplingParams
+    from lora import LoRARequest
+
+    path = make_adapter(model_dir, tmp_path / "adapter", 3, 8, targets, {})
+    llm = LLM(str(model_dir), num_kv_blocks=128, enable_lora=True)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, min_tokens=new_tokens)
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=LoRARequest("a", str(path)))
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    peft = PeftModel.from_pretrained(base, str(path)).eval()
+    with torch.no_grad():
+        want = [hf_greedy(peft, p, new_tokens) for p in prompts]
+    return [o.outputs[0].token_ids for o in outs], want

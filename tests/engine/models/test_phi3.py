@@ -8,22 +8,26 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, SamplingParams
-from lora import LoRARequest
-from models import hf_greedy, make_adapter, make_tiny_model, prompt_scores
+from engine import LLM
+from models import (
+    PARITY_ENGINES,
+    PARITY_IDS,
+    adapter_greedy_and_peft,
+    engine_greedy,
+    hf_greedy,
+    make_tiny_model,
+    parity_prompts,
+    prompt_scores,
+)
 
 NEW_TOKENS = 12
 ORIGINAL = 64  # the Phi-4-mini-like model's original context: LongRoPE's short factors below
 
 
 def prompts(lens=(1, 9, 17, 40, 130)) -> list[list[int]]:
-    g = torch.Generator().manual_seed(5)
-    shared = torch.randint(0, 256, (24,), generator=g).tolist()
-    out = [torch.randint(0, 256, (n,), generator=g).tolist() for n in lens]
-    return out + [shared + [7, 8, 9], shared + [7, 8, 9] * 4]  # a shared prefix; repeats
+    return parity_prompts(5, lens)
 
 
 def phi4_mini_like(path, seed: int = 0):
@@ -66,26 +70,10 @@ def want(phi3) -> list[list[int]]:
 
 
 def greedy(model_dir, seqs=None, **engine_args) -> list[list[int]]:
-    llm = LLM(str(model_dir), **engine_args)
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
-    outs = llm.generate(seqs or prompts(), params, use_tqdm=False)
-    snap = llm.engine.snapshot()
-    assert snap["num_free_blocks"] == snap["num_blocks"]
-    if engine_args.get("block_size") == 4:
-        assert snap["num_preemptions"] > 0
-    return [o.outputs[0].token_ids for o in outs]
+    return engine_greedy(model_dir, seqs or prompts(), NEW_TOKENS, **engine_args)
 
 
-@pytest.mark.parametrize(
-    "engine_args",
-    [
-        dict(num_kv_blocks=128),
-        dict(num_kv_blocks=128, enable_prefix_caching=True, max_num_batched_tokens=7),
-        dict(num_kv_blocks=48, block_size=4),  # preempted and recomputed
-        dict(num_kv_blocks=128, speculative_method="ngram", num_speculative_tokens=3),
-    ],
-    ids=["batched", "prefix-cache-chunks", "preemption", "ngram"],
-)
+@pytest.mark.parametrize("engine_args", PARITY_ENGINES, ids=PARITY_IDS)
 def test_phi3_greedy_equals_hf(phi3, want, engine_args):
     assert greedy(phi3, **engine_args) == want
 
@@ -111,15 +99,8 @@ def test_phi3_draft_model_is_lossless(phi3, want, tmp_path):
 
 def test_phi3_adapters_on_fused_projections_equal_peft(phi3, tmp_path):
     targets = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
-    path = make_adapter(phi3, tmp_path / "adapter", 3, 8, targets, {})
-    llm = LLM(str(phi3), num_kv_blocks=128, enable_lora=True)
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
-    adapter = LoRARequest("a", str(path))
-    outs = llm.generate(prompts(), params, use_tqdm=False, lora_request=adapter)
-    got = [o.outputs[0].token_ids for o in outs]
-    peft = PeftModel.from_pretrained(hf_of(phi3), str(path)).eval()
-    with torch.no_grad():
-        assert got == [hf_greedy(peft, p, NEW_TOKENS) for p in prompts()]
+    got, want = adapter_greedy_and_peft(phi3, targets, prompts(), NEW_TOKENS, tmp_path)
+    assert got == want
 
 
 def test_phi4_mini_partial_rotary_and_longrope_equal_hf(phi4):

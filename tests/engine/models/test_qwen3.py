@@ -7,12 +7,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, SamplingParams
-from lora import LoRARequest
-from models import hf_greedy, make_adapter, make_tiny_model, prompt_scores
+from engine import LLM
+from models import (
+    PARITY_ENGINES,
+    PARITY_IDS,
+    adapter_greedy_and_peft,
+    engine_greedy,
+    hf_greedy,
+    make_tiny_model,
+    parity_prompts,
+    prompt_scores,
+)
 
 NEW_TOKENS = 12
 LENS = [1, 9, 17, 40, 130]
@@ -25,11 +32,7 @@ def qwen3(tmp_path_factory):
 
 
 def prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(5)
-    shared = torch.randint(0, 256, (24,), generator=g).tolist()
-    out = [torch.randint(0, 256, (n,), generator=g).tolist() for n in LENS]
-    out += [shared + [7, 8, 9], shared + [7, 8, 9] * 4]  # a shared prefix; a repeated tail
-    return out
+    return parity_prompts(5, LENS)
 
 
 @pytest.fixture(scope="module")
@@ -40,26 +43,10 @@ def want(qwen3) -> list[list[int]]:
 
 
 def greedy(model_dir, **engine_args) -> list[list[int]]:
-    llm = LLM(str(model_dir), **engine_args)
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
-    outs = llm.generate(prompts(), params, use_tqdm=False)
-    snap = llm.engine.snapshot()
-    assert snap["num_free_blocks"] == snap["num_blocks"]
-    if engine_args.get("block_size") == 4:
-        assert snap["num_preemptions"] > 0
-    return [o.outputs[0].token_ids for o in outs]
+    return engine_greedy(model_dir, prompts(), NEW_TOKENS, **engine_args)
 
 
-@pytest.mark.parametrize(
-    "engine_args",
-    [
-        dict(num_kv_blocks=128),
-        dict(num_kv_blocks=128, enable_prefix_caching=True, max_num_batched_tokens=7),
-        dict(num_kv_blocks=48, block_size=4),  # preempted and recomputed
-        dict(num_kv_blocks=128, speculative_method="ngram", num_speculative_tokens=3),
-    ],
-    ids=["batched", "prefix-cache-chunks", "preemption", "ngram"],
-)
+@pytest.mark.parametrize("engine_args", PARITY_ENGINES, ids=PARITY_IDS)
 def test_qwen3_greedy_equals_hf(qwen3, want, engine_args):
     assert greedy(qwen3, **engine_args) == want
 
@@ -71,16 +58,8 @@ def test_qwen3_draft_model_is_lossless(qwen3, want, tmp_path):
 
 def test_qwen3_adapters_equal_peft(qwen3, tmp_path):
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    path = make_adapter(qwen3, tmp_path / "adapter", 3, 8, targets, {})
-    llm = LLM(str(qwen3), num_kv_blocks=128, enable_lora=True)
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
-    adapter = LoRARequest("a", str(path))
-    outs = llm.generate(prompts(), params, use_tqdm=False, lora_request=adapter)
-    got = [o.outputs[0].token_ids for o in outs]
-    base = AutoModelForCausalLM.from_pretrained(qwen3, dtype=torch.float32)
-    peft = PeftModel.from_pretrained(base, str(path)).eval()
-    with torch.no_grad():
-        assert got == [hf_greedy(peft, p, NEW_TOKENS) for p in prompts()]
+    got, want = adapter_greedy_and_peft(qwen3, targets, prompts(), NEW_TOKENS, tmp_path)
+    assert got == want
 
 
 def test_qwen3_cpp_layers_over_int8_weights(qwen3):
