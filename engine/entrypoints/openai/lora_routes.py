@@ -47,7 +47,7 @@ def _hot_adapter(state: ServerState, body: dict) -> LoRARequest:
         raise _name_taken(name)
     root = state.lora_dir.resolve()
     try:
-        path = (root / body.get("lora_path", name)).resolve()
+        path = (root / (body.get("lora_path") or name)).resolve()
     except (ValueError, OSError) as exc:  # e.g. a NUL byte, a symlink loop
         raise APIError(f"lora_path is not a usable path: {exc}", "lora_path") from None
     if not path.is_relative_to(root) or path == root:

@@ -316,7 +316,7 @@ def refuse_unsupported(body: dict) -> None:
     if body.get("suffix"):
         raise APIError("suffix is not supported", "suffix")
     best_of = body.get("best_of")
-    if best_of is not None and best_of != body.get("n", 1):
+    if best_of is not None and best_of != (body.get("n") or 1):
         raise APIError("best_of is not supported (it must equal n)", "best_of")
 
 
@@ -354,7 +354,7 @@ def beam_params(body: dict, max_tokens_default: int | None) -> BeamSearchParams:
         return BeamSearchParams(
             width,
             max_tokens,
-            body.get("length_penalty", 1.0),
+            1.0 if body.get("length_penalty") is None else body["length_penalty"],
             bool(body.get("ignore_eos")),
         )
     except ValueError as exc:
@@ -414,7 +414,7 @@ def tokenize(body: dict, tokenizer, max_model_len: int, template: dict | None = 
         raise APIError("give exactly one of prompt and messages", "prompt")
     if body.get("prompt") is not None:
         ids = tokenizer.encode(
-            body["prompt"], add_special_tokens=body.get("add_special_tokens", True)
+            body["prompt"], add_special_tokens=body.get("add_special_tokens") is not False
         )
     else:
         messages = check_messages(body["messages"])

@@ -86,3 +86,19 @@ def test_tokenize_needs_the_api_key(smol):
     for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):
         r = httpx.post(url + path, json=body)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_explicit_nulls_mean_the_defaults(smol, offline):
+    """JSON null for an optional field is the field left out (the fuzz found a 500 here:
+    `add_special_tokens: null` reached the tokenizer as None)."""
+    url, _ = smol
+    text = "Paged attention"
+    body = {"prompt": text, "add_special_tokens": None, "continue_final_message": None}
+    r = tokenize(url, "/tokenize", body)
+    assert r.status_code == 200 and r.json()["tokens"] == offline.tokenizer.encode(text)
+    body = {"prompt": text, "n": None, "best_of": 1, "max_tokens": 2, "temperature": 0}
+    r = tokenize(url, "/v1/completions", {"model": MODEL, **body})
+    assert r.status_code == 200, r.text
+    body = {"prompt": text, "use_beam_search": True, "n": 2, "length_penalty": None}
+    r = tokenize(url, "/v1/completions", {"model": MODEL, "max_tokens": 2, **body})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
