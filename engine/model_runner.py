@@ -247,7 +247,7 @@ class ModelRunner:
             max_num_seqs,
             max_model_len,
             max_query_len,
-            self.cfg.windows,
+            self.windows,
             capture=self.device.type == "cuda",
         )
 

@@ -29,10 +29,6 @@ class RequestStatus(IntEnum):
     FINISHED_ABORTED = 12
     FINISHED_ERROR = 13  # its own processing raised (Request.fail); the engine went on
 
-    @property
-    def is_finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
-
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -150,7 +146,7 @@ class Request(TokenHistory):
         return len(self.token_ids)
 
     @property
-    def is_finished(self) -> bool:
+    def is_finished(self) -> bool:  # every FINISHED_* status is at least FINISHED_STOPPED
         return self.status >= RequestStatus.FINISHED_STOPPED
 
     def generator_on(self, device: torch.device) -> torch.Generator | None:

@@ -20,9 +20,15 @@ from engine.attention import AttentionMetadata, RowAttention
 from engine.models.architectures import Architecture, Checkpoint, WeightMap
 from engine.models.causal_lm import CausalLM
 from engine.models.config import ModelConfig, common_fields
-from engine.models.layers import Attention, GatedMLP, RMSNorm, RotaryTables
+from engine.models.layers import (
+    Attention,
+    GatedMLP,
+    RMSNorm,
+    RotaryTables,
+    on_tandem_kernel,
+    projections,
+)
 from engine.models.parallel import Parallel
-from engine.models.quantized import QuantizedLinear
 
 if TYPE_CHECKING:
     from engine.models.gguf_loader import GGUFWeights
@@ -69,10 +75,7 @@ class Gemma3DecoderLayer(nn.Module):
 
     def fuse(self) -> bool:
         """Whether the rows can run on the C++ pieces: every projection on the tandem kernel."""
-        attn, mlp = self.self_attn, self.mlp
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        return all(isinstance(m.format, QuantizedLinear) and m.format.backend == "tandem"
-                   for m in linears)  # fmt: skip
+        return on_tandem_kernel(projections(self.self_attn, self.mlp))
 
     def forward(
         self,

@@ -446,6 +446,17 @@ class LMHead(nn.Module):
         return self.parallel.gather_columns(logits, self.total_rows)
 
 
+def projections(attn: Attention, mlp: GatedMLP) -> tuple[Linear, ...]:
+    """A decoder layer's four projections, in the order the C++ layer takes them."""
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+
+def on_tandem_kernel(linears) -> bool:
+    """Whether every one of these projections runs on the C++ quantized kernel (CPU)."""
+    return all(isinstance(m.format, QuantizedLinear) and m.format.backend == "tandem"
+               for m in linears)  # fmt: skip
+
+
 class DecoderLayer(nn.Module):
     """The pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). A layer whose
     projections are all on the C++ quantized kernel runs a step without adapters as one C++
@@ -463,10 +474,9 @@ class DecoderLayer(nn.Module):
     def fuse(self) -> bool:
         """Whether every row can run on the C++ kernels: every projection on the tandem kernel
         (CPU) and no MLP bias."""
-        attn, mlp = self.self_attn, self.mlp
-        formats = [m.format for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        tandem = all(isinstance(f, QuantizedLinear) and f.backend == "tandem" for f in formats)
-        if not tandem or formats[2].bias is not None:
+        linears = projections(self.self_attn, self.mlp)
+        formats = [m.format for m in linears]
+        if not on_tandem_kernel(linears) or formats[2].bias is not None:
             self.fused = None
             return False
         weights = [t for f in formats for t in (f.codes, f.scales, f.offsets)]
