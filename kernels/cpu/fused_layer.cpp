@@ -72,8 +72,13 @@ void rope(float* x, const float* cos, const float* sin, int64_t r) {
 
 // In place: s[0:n] = exp(s - max) / sum, returned unnormalized; the sum is the result.
 float softmax_unnormalized(float* s, int64_t n) {
-  float top = -INFINITY;
-  for (int64_t i = 0; i < n; ++i) top = std::max(top, s[i]);
+  __m256 vmax = _mm256_set1_ps(-INFINITY);  // max is exact in any order
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + j));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmax);
+  float top = *std::max_element(lanes, lanes + 8);
+  for (; j < n; ++j) top = std::max(top, s[j]);
   const __m256 vtop = _mm256_set1_ps(top);
   __m256 acc = _mm256_setzero_ps();
   int64_t i = 0;
@@ -194,8 +199,34 @@ inline __m256 load_lanes(const float* p, int64_t count) {
   return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)), lane));
 }
 
-// scores[r * n + t - first] = (sum_i q_r[i] k_t[i]) * scale for heads r < heads and keys t in
-// [first, first + n): each score one chain of fmas over i in order, eight keys at a time.
+// One block's keys [off, off + lanes) (block offsets), VECS vectors of eight: the scores of
+// keys [lo, hi) go to scores[r * stride + key0 + t]. Each score is one chain of fmas over i in
+// order, whatever VECS is (two vectors give each head two chains, hiding the fma latency).
+template <int HEADS, int VECS>
+inline void score_block(const float* q, int64_t d, const float* slab, int64_t bs, int64_t off,
+                        int64_t lanes, int64_t key0, int64_t lo, int64_t hi, __m256 vscale,
+                        float* scores, int64_t stride) {
+  __m256 acc[HEADS][VECS];
+  for (int r = 0; r < HEADS; ++r) {
+    for (int v = 0; v < VECS; ++v) acc[r][v] = _mm256_setzero_ps();
+  }
+  for (int64_t i = 0; i < d; ++i) {
+    __m256 k[VECS];
+    for (int v = 0; v < VECS; ++v) k[v] = load_lanes(slab + i * bs + off + 8 * v, lanes - 8 * v);
+    for (int r = 0; r < HEADS; ++r) {
+      const __m256 qi = _mm256_set1_ps(q[r * d + i]);
+      for (int v = 0; v < VECS; ++v) acc[r][v] = _mm256_fmadd_ps(qi, k[v], acc[r][v]);
+    }
+  }
+  alignas(32) float out[HEADS][8 * VECS];
+  for (int r = 0; r < HEADS; ++r) {
+    for (int v = 0; v < VECS; ++v) _mm256_store_ps(out[r] + 8 * v, _mm256_mul_ps(acc[r][v], vscale));
+  }
+  for (int r = 0; r < HEADS; ++r) {
+    for (int64_t t = lo; t < hi; ++t) scores[r * stride + key0 + t] = out[r][t - off];
+  }
+}
+
 template <int HEADS>
 void score_keys(const float* q, int64_t d, const Cache& kc, int64_t g, const int64_t* table,
                 int64_t first, int64_t n, float scale, float* scores, int64_t stride) {
@@ -203,48 +234,86 @@ void score_keys(const float* q, int64_t d, const Cache& kc, int64_t g, const int
   const __m256 vscale = _mm256_set1_ps(scale);
   for (int64_t start = first - first % bs; start < end; start += bs) {  // one block
     const float* slab = key_slab(kc, g, table[start / bs]);
-    for (int64_t off = 0; off < bs && start + off < end; off += 8) {  // eight keys
-      const int64_t lanes = std::min<int64_t>(8, bs - off);
-      __m256 acc[HEADS];
-      for (int r = 0; r < HEADS; ++r) acc[r] = _mm256_setzero_ps();
-      for (int64_t i = 0; i < d; ++i) {
-        const __m256 k = load_lanes(slab + i * bs + off, lanes);
-        for (int r = 0; r < HEADS; ++r) acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(q[r * d + i]), k, acc[r]);
+    for (int64_t off = 0; off < bs && start + off < end;) {  // sixteen keys, else eight
+      const int64_t lanes = std::min<int64_t>(16, bs - off);
+      const int64_t lo = std::max<int64_t>(start + off, first) - start;
+      const int64_t hi = std::min(start + off + lanes, end) - start;
+      if (lanes > 8) {
+        score_block<HEADS, 2>(q, d, slab, bs, off, lanes, start - first, lo, hi, vscale, scores,
+                              stride);
+      } else {
+        score_block<HEADS, 1>(q, d, slab, bs, off, lanes, start - first, lo, hi, vscale, scores,
+                              stride);
       }
-      alignas(32) float out[HEADS][8];
-      for (int r = 0; r < HEADS; ++r) _mm256_store_ps(out[r], _mm256_mul_ps(acc[r], vscale));
-      const int64_t lo = std::max<int64_t>(start + off, first), hi = std::min(start + off + lanes, end);
-      for (int r = 0; r < HEADS; ++r) {
-        for (int64_t t = lo; t < hi; ++t) scores[r * stride + t - first] = out[r][t - start - off];
-      }
+      off += lanes;
     }
   }
 }
 
-// o[i] = (sum_t p_t v_t[i]) * inv for keys t in [first, first + n), in key order.
-template <int CHUNKS>  // D / 8, or 0: any D (the same steps through memory)
+// o_r[i] = (sum_t p_r[t] v_t[i]) * inv_r for heads r < HEADS (p_r = p + r * n, o_r = o + r * d)
+// and keys t in [first, first + n): each element one chain of fmas in key order, a block's
+// values read in sequence, each value row loaded once for the HEADS heads sharing it.
+template <int CHUNKS, int HEADS>  // CHUNKS = D / 8
 void sum_values(const float* p, int64_t d, const Cache& vc, int64_t g, const int64_t* table,
-                int64_t first, int64_t n, float inv, float* o) {
-  const int64_t bs = vc.block_size;
-  if constexpr (CHUNKS > 0) {
-    __m256 acc[CHUNKS];
-    for (int c = 0; c < CHUNKS; ++c) acc[c] = _mm256_setzero_ps();
-    for (int64_t t = 0; t < n; ++t) {
-      const int64_t pos = first + t;
-      const float* v = vc.at(g, table[pos / bs], pos % bs);
-      const __m256 w = _mm256_set1_ps(p[t]);
-      for (int c = 0; c < CHUNKS; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), acc[c]);
-    }
-    for (int c = 0; c < CHUNKS; ++c) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)));
-  } else {
-    std::fill_n(o, d, 0.0f);
-    for (int64_t t = 0; t < n; ++t) {
-      const int64_t pos = first + t;
-      axpy(p[t], vc.at(g, table[pos / bs], pos % bs), o, d);
-    }
-    const __m256 vinv = _mm256_set1_ps(inv);
-    for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), vinv));
+                int64_t first, int64_t n, const float* inv, float* o) {
+  const int64_t bs = vc.block_size, end = first + n;
+  __m256 acc[HEADS][CHUNKS];
+  for (int r = 0; r < HEADS; ++r) {
+    for (int c = 0; c < CHUNKS; ++c) acc[r][c] = _mm256_setzero_ps();
   }
+  for (int64_t start = first - first % bs; start < end; start += bs) {  // one block
+    const float* block = vc.at(g, table[start / bs], 0);
+    const int64_t lo = std::max(start, first), hi = std::min(start + bs, end);
+    for (int64_t pos = lo; pos < hi; ++pos) {
+      const float* v = block + (pos - start) * vc.slot_stride;
+      __m256 w[HEADS];
+      for (int r = 0; r < HEADS; ++r) w[r] = _mm256_set1_ps(p[r * n + pos - first]);
+      for (int c = 0; c < CHUNKS; ++c) {
+        const __m256 vc8 = _mm256_loadu_ps(v + 8 * c);
+        for (int r = 0; r < HEADS; ++r) acc[r][c] = _mm256_fmadd_ps(w[r], vc8, acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < HEADS; ++r) {
+    const __m256 vinv = _mm256_set1_ps(inv[r]);
+    for (int c = 0; c < CHUNKS; ++c) _mm256_storeu_ps(o + r * d + 8 * c, _mm256_mul_ps(acc[r][c], vinv));
+  }
+}
+
+// The same sum for any D (a multiple of 8), one head.
+void sum_values_any(const float* p, int64_t d, const Cache& vc, int64_t g, const int64_t* table,
+                    int64_t first, int64_t n, float inv, float* o) {
+  const int64_t bs = vc.block_size, end = first + n;
+  std::fill_n(o, d, 0.0f);
+  for (int64_t start = first - first % bs; start < end; start += bs) {
+    const float* block = vc.at(g, table[start / bs], 0);
+    for (int64_t pos = std::max(start, first); pos < std::min(start + bs, end); ++pos) {
+      axpy(p[pos - first], block + (pos - start) * vc.slot_stride, o, d);
+    }
+  }
+  const __m256 vinv = _mm256_set1_ps(inv);
+  for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), vinv));
+}
+
+// Heads whose scores (values) share each load of the keys (values): as many as keep the
+// accumulators in registers (32 vector registers with AVX-512VL, 16 without).
+#if defined(__AVX512VL__)
+constexpr int kValueHeads64 = 3, kValueHeads128 = 1, kScoreHeads = 8;
+#else
+constexpr int kValueHeads64 = 1, kValueHeads128 = 1, kScoreHeads = 4;
+#endif
+
+// Heads [r, r + count) of a group: their value sums, count <= kValueHeads64 for D = 64.
+template <int CHUNKS, int MAXH>
+void sum_heads(const float* p, int64_t d, const Cache& vc, int64_t g, const int64_t* table,
+               int64_t first, int64_t n, const float* inv, float* o, int64_t count) {
+  if constexpr (MAXH >= 3) {
+    if (count == 3) return sum_values<CHUNKS, 3>(p, d, vc, g, table, first, n, inv, o);
+  }
+  if constexpr (MAXH >= 2) {
+    if (count == 2) return sum_values<CHUNKS, 2>(p, d, vc, g, table, first, n, inv, o);
+  }
+  sum_values<CHUNKS, 1>(p, d, vc, g, table, first, n, inv, o);
 }
 
 // Per-head RMSNorms of q and k before RoPE (Qwen3), or none (null weights).
@@ -285,10 +354,12 @@ void rope_store_rows(float* qkv, const float* cs, const float* sn, const Heads& 
 void attend_rows(const float* qkv, const Heads& hd, const Rows& rows, const Cache& kc,
                  const Cache& vc, float scale, int64_t window, float* attn) {
   const int64_t d = hd.head_dim, group = hd.num_heads / hd.num_kv_heads;
+  // Tasks kv-head-major: a worker's consecutive tasks read the same head's keys and values
+  // (a request's rows share them), which then stay in its cache.
   at::parallel_for(0, rows.count * hd.num_kv_heads, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores;  // per worker, reused across its tasks
+    std::vector<float> scores, invs;  // per worker, reused across its tasks
     for (int64_t task = t0; task < t1; ++task) {
-      const int64_t b = task / hd.num_kv_heads, g = task % hd.num_kv_heads;
+      const int64_t g = task / rows.count, b = task % rows.count;
       const int64_t len = rows.lens[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - first;
@@ -298,11 +369,17 @@ void attend_rows(const float* qkv, const Heads& hd, const Rows& rows, const Cach
       const int64_t* table = rows.tables + rows.table_of[b] * rows.width;
       scores.resize(group * n);
       const float* q = qkv + b * hd.cols() + g * group * d;  // the group's query heads
-      for (int64_t r = 0; r < group;) {  // up to four heads share each load of the keys
-        const int64_t heads = std::min<int64_t>(4, group - r);
+      for (int64_t r = 0; r < group;) {  // up to kScoreHeads heads share each load of the keys
+        const int64_t heads = std::min<int64_t>(kScoreHeads, group - r);
         float* s = scores.data() + r * n;
         const float* qr = q + r * d;
         switch (heads) {
+#if defined(__AVX512VL__)
+          case 8: score_keys<8>(qr, d, kc, g, table, first, n, scale, s, n); break;
+          case 7: score_keys<7>(qr, d, kc, g, table, first, n, scale, s, n); break;
+          case 6: score_keys<6>(qr, d, kc, g, table, first, n, scale, s, n); break;
+          case 5: score_keys<5>(qr, d, kc, g, table, first, n, scale, s, n); break;
+#endif
           case 4: score_keys<4>(qr, d, kc, g, table, first, n, scale, s, n); break;
           case 3: score_keys<3>(qr, d, kc, g, table, first, n, scale, s, n); break;
           case 2: score_keys<2>(qr, d, kc, g, table, first, n, scale, s, n); break;
@@ -310,14 +387,20 @@ void attend_rows(const float* qkv, const Heads& hd, const Rows& rows, const Cach
         }
         r += heads;
       }
-      for (int64_t r = 0; r < group; ++r) {
-        float* p = scores.data() + r * n;
-        const float inv = 1.0f / softmax_unnormalized(p, n);
+      invs.resize(group);
+      for (int64_t r = 0; r < group; ++r) invs[r] = 1.0f / softmax_unnormalized(scores.data() + r * n, n);
+      const int64_t per = d == 64 ? kValueHeads64 : d == 128 ? kValueHeads128 : 1;
+      for (int64_t r = 0; r < group; r += per) {
+        const int64_t count = std::min(per, group - r);
+        const float* p = scores.data() + r * n;
         float* o = attn + b * hd.q_size() + (g * group + r) * d;
         switch (d) {
-          case 64: sum_values<8>(p, d, vc, g, table, first, n, inv, o); break;
-          case 128: sum_values<16>(p, d, vc, g, table, first, n, inv, o); break;
-          default: sum_values<0>(p, d, vc, g, table, first, n, inv, o); break;
+          case 64: sum_heads<8, kValueHeads64>(p, d, vc, g, table, first, n, &invs[r], o, count); break;
+          case 128: sum_heads<16, kValueHeads128>(p, d, vc, g, table, first, n, &invs[r], o, count); break;
+          default:
+            for (int64_t h = 0; h < count; ++h) {
+              sum_values_any(p + h * n, d, vc, g, table, first, n, invs[r + h], o + h * d);
+            }
         }
       }
     }

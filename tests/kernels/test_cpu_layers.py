@@ -82,7 +82,11 @@ def attend(qkv, caches, tables, row_tables, seq_lens, heads, scale, window):
 
 
 @pytest.mark.parametrize("block_size", [4, 8, 12, 16])
-@pytest.mark.parametrize("heads", [(3, 1, 8), (6, 2, 64), (4, 4, 16)])
+# groups of 1-10 query heads per key head: the kernel scores up to eight heads per load of
+# the keys and sums up to three heads' values per load of the values (D = 64), in passes
+@pytest.mark.parametrize(
+    "heads", [(3, 1, 8), (6, 2, 64), (4, 4, 16), (14, 2, 64), (12, 1, 128), (20, 2, 64)]
+)
 @pytest.mark.parametrize("window", [0, 7])
 def test_attend_equals_softmax_attention_and_each_row_stands_alone(block_size, heads, window):
     lens = [1, 19, 45]
