@@ -95,8 +95,9 @@ def add_server_args(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument(
         "--max-step-ms",
         type=float,
-        default=None,
-        help="while requests decode, limit a step's prompt tokens to stay within this time",
+        default=300.0,
+        help="while requests decode, limit a step's prompt tokens to stay within this time "
+        "(ms; 0: no limit, a prompt chunk of --max-num-batched-tokens shares any step)",
     )
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
@@ -155,7 +156,7 @@ def engine_config(args: argparse.Namespace, adapters: dict[str, LoRARequest]):
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        max_step_ms=args.max_step_ms,
+        max_step_ms=args.max_step_ms or None,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         num_threads=args.threads,
         tensor_parallel_size=args.tensor_parallel_size,

@@ -95,3 +95,19 @@ def test_max_step_ms_refuses_bad_values(value):
         ValueError, match=rf"^max_step_ms must be .*, got {re.escape(repr(value))}$"
     ):
         EngineConfig(max_step_ms=value)
+
+
+@pytest.mark.parametrize(
+    ("flags", "want"),
+    [([], 300.0), (["--max-step-ms", "150"], 150.0), (["--max-step-ms", "0"], None)],
+)
+def test_the_server_budgets_steps_by_default(flags, want):
+    """`tandem serve` bounds step time unless told not to; the Python API's default is off."""
+    import argparse
+
+    from playground.launch import add_server_args, engine_config
+
+    parser = argparse.ArgumentParser()
+    add_server_args(parser, 8000)
+    assert engine_config(parser.parse_args(flags), {}).max_step_ms == want
+    assert EngineConfig(model="m").max_step_ms is None
