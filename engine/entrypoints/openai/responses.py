@@ -206,7 +206,13 @@ def _chat_choice(ctx: ResponseContext, index: int, c: CompletionOutput, delta: b
                 for t in calls
             ]
         return {"index": index, "message": message, "finish_reason": _tool_finish(finish, calls)}
-    piece, text = {}, c.text
+    return _chat_delta(ctx, index, c)
+
+
+def _chat_delta(ctx: ResponseContext, index: int, c: CompletionOutput) -> dict:
+    """A stream chunk's piece of a chat answer that is split into reasoning, content and tool
+    calls (c holds only what is new)."""
+    finish, piece, text = c.finish_reason, {}, c.text
     if ctx.starts_in_reasoning is not None:
         reader = ctx.reasoners.setdefault(index, reasoning.ReasoningParser(ctx.starts_in_reasoning))
         new = reader.feed(c.text, finished=finish is not None)
