@@ -164,9 +164,7 @@ class LLMEngine:
         self.scheduler.check_fits(len(ids), params, self.max_model_len)
         params.check_vocab(self.vocab_size)
         predicted = self.speculation.prediction_ids(params, self.tokenizer, self.vocab_size)
-        compiled = compiled_grammar
-        if compiled is None:
-            compiled = self.compile_constraint(params.structured_outputs)
+        compiled = compiled_grammar or self.compile_constraint(params.structured_outputs)
         adapter = _load(self.adapters, lora_request)
         if draft_lora_request is None and self.config.draft_model == "self":
             draft_lora_request = lora_request  # the quantized copy drafts with the same adapter
@@ -188,8 +186,8 @@ class LLMEngine:
         ]
         for r in requests:
             r.lora, r.draft_lora = adapter, draft_adapter
-            if compiled is not None:
-                self.grammar.attach(r, compiled, params.structured_outputs.kind)
+            if compiled is not None or params.thinking_token_budget is not None:
+                self.grammar_manager().attach(r, compiled)
             if predicted is not None:
                 self.speculation.predict(r, predicted)
         group = RequestGroup(request_id, text, requests, self.decoder)
@@ -209,17 +207,18 @@ class LLMEngine:
         calls it from the submitting thread, so the engine loop never waits for a compile."""
         if constraint is None:
             return None
-        return self._grammar_manager().compiler.compile(constraint)
+        return self.grammar_manager().compiler.compile(constraint)
 
     async def compile_constraint_async(self, constraint: StructuredOutputs | None):
         """As compile_constraint, awaited: no thread is held while the compile runs."""
         if constraint is None:
             return None
         if self.grammar is None:  # built once: the tokenizer's vocabulary for xgrammar
-            await asyncio.to_thread(self._grammar_manager)
+            await asyncio.to_thread(self.grammar_manager)
         return await self.grammar.compiler.compile_async(constraint)
 
-    def _grammar_manager(self):
+    def grammar_manager(self):
+        """The grammar manager (constraints, thinking budgets), built on first use; thread-safe."""
         with self._grammar_lock:
             if self.grammar is None:
                 from engine.grammar.matcher import GrammarManager  # xgrammar: loaded when needed

@@ -51,6 +51,9 @@ class SamplingParams:
     num_speculative_tokens: int | None = None  # drafts per step; None: the engine's default
     # Predicted Outputs: text (or token ids) the output will mostly repeat, verified as drafts.
     prediction: str | list[int] | None = None
+    # Reasoning models: at most this many tokens inside <think>...</think>, then `</think>` is
+    # forced (engine.grammar.thinking); None: no limit.
+    thinking_token_budget: int | None = None
     # Constrained output: a JSON schema, json_object, regex, EBNF grammar or choice list
     # (a StructuredOutputs or a dict with its field names).
     structured_outputs: StructuredOutputs | dict | None = None
@@ -157,6 +160,7 @@ _RULES: list[Rule] = [
         int_in(0, MAX_SPECULATIVE_TOKENS, optional=True),
         f"must be an integer in [0, {MAX_SPECULATIVE_TOKENS}] or None",
     ),
+    ("thinking_token_budget", int_in(0, optional=True), "must be an integer >= 0 or None"),
     ("logprobs", int_in(0, 20, optional=True), "must be an integer in [0, 20] or None"),
     ("prompt_logprobs", int_in(0, 20, optional=True), "must be an integer in [0, 20] or None"),
 ]

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from engine.entrypoints.reasoning import PARSERS
 from lora.adapter import LoRARequest
 
 if TYPE_CHECKING:
@@ -59,6 +60,13 @@ def add_server_args(parser: argparse.ArgumentParser, port: int) -> None:
         "--enable-prompt-tokens-details",
         action="store_true",
         help="report usage.prompt_tokens_details.cached_tokens (shows which prefixes are cached)",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=PARSERS,
+        default="auto",
+        help="chat answers' <think>...</think> as reasoning_content: auto (when the chat "
+        "template writes <think>), qwen3 or deepseek_r1 (always), none",
     )
     # (defaults: engine.entrypoints.openai.admission.AdmissionLimits)
     parser.add_argument("--max-prompts-per-request", type=int, help="prompts in one request")
@@ -195,6 +203,7 @@ def build_state(args: argparse.Namespace, adapters: dict[str, LoRARequest]) -> S
         allowed_hosts=tuple(args.allowed_hosts),
         allowed_origins=tuple(args.allowed_origins),
         show_cached_tokens=args.enable_prompt_tokens_details,
+        reasoning_parser=args.reasoning_parser,
         **body_limit,
     )
 

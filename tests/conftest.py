@@ -33,6 +33,14 @@ def make_tiny_model(*args, **kwargs) -> Path:
 
 
 @pytest.fixture(scope="session")
+def thinking_qwen3(tmp_path_factory) -> Path:
+    """A tiny random Qwen3 with Qwen3's chat template and think tags (make_thinking_qwen3)."""
+    from models import make_thinking_qwen3
+
+    return make_thinking_qwen3(tmp_path_factory.mktemp("thinking-qwen3"))
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
 

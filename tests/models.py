@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
@@ -78,6 +78,30 @@ def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, std: float =
                 p.normal_(0.0, std / p.shape[-1] ** 0.5 * 4)
     model.save_pretrained(path)
     byte_tokenizer().save_pretrained(path)
+    return path
+
+
+# Qwen3's own chat template (Qwen/Qwen3-0.6B's tokenizer_config.json), and the tokens it and the
+# model's answers use, added to the byte tokenizer (Qwen3's vocabulary holds them as single
+# tokens too; `<think>` and `</think>` are not special there, so decoding keeps them).
+QWEN3_TEMPLATE = Path(__file__).with_name("qwen3_chat_template.jinja")
+QWEN3_SPECIAL = ["<|im_start|>", "<|im_end|>"]
+QWEN3_TAGS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
+
+
+def make_thinking_qwen3(path: Path, seed: int = 0) -> Path:
+    """A tiny random Qwen3 whose tokenizer speaks Qwen3's chat format: its real chat template,
+    `<|im_start|>` / `<|im_end|>` (the end of a turn, its EOS) and the think and tool-call tags
+    as single tokens (ids 257...262)."""
+    make_tiny_model(
+        path, "qwen3", seed=seed, head_dim=32, eos_token_id=258, max_position_embeddings=2048
+    )
+    tok = byte_tokenizer()
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN3_SPECIAL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN3_TAGS])
+    tok.eos_token = "<|im_end|>"
+    tok.chat_template = QWEN3_TEMPLATE.read_text().rstrip("\n")
+    tok.save_pretrained(path)
     return path
 
 

@@ -237,6 +237,8 @@ class AsyncEngine:
         # Compile the constraint here, off the loop thread, awaited without holding a thread;
         # the engine's add_request then takes the grammar as it is.
         grammar = await self.engine.compile_constraint_async(params.structured_outputs)
+        if params.thinking_token_budget is not None and self.engine.grammar is None:
+            await asyncio.to_thread(self.engine.grammar_manager)  # (xgrammar's tables, once)
         stream = _Stream(asyncio.get_running_loop())
 
         def add() -> None:

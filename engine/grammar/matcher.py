@@ -6,7 +6,9 @@ back before returning: the forced tokens (a single allowed token, or xgrammar's 
 string, tokenized), the check that cuts a draft list at its first invalid token, and the mask
 rows of a verification span (one row per draft position and the bonus position). Matchers are
 made on first use and released when a request finishes, is aborted or is preempted; a
-re-admitted request replays its output into a fresh one.
+re-admitted request replays its output into a fresh one. A request with a thinking budget
+(engine.grammar.thinking) gets the budget's matcher, over xgrammar's when it also has a
+constraint.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from engine.config import MAX_SPECULATIVE_TOKENS
 from engine.device import to_device
 from engine.errors import RequestError
 from engine.grammar.compiler import GrammarCompiler, tokenizer_info
+from engine.grammar.thinking import ThinkingBudget, ThinkTags
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -37,19 +40,31 @@ class GrammarError(RuntimeError):
 
 
 class RequestGrammar:
-    """One request's compiled grammar and, while it runs, its matcher."""
+    """One request's compiled grammar and thinking budget (either may be None) and, while it
+    runs, its matcher (the budget's over xgrammar's, when it has a budget)."""
 
-    __slots__ = ("compiled", "kind", "_manager", "_matcher")
+    __slots__ = ("compiled", "kind", "budget", "_manager", "_matcher")
 
-    def __init__(self, compiled: xgr.CompiledGrammar, kind: str, manager: GrammarManager):
+    def __init__(
+        self,
+        compiled: xgr.CompiledGrammar | None,
+        kind: str,
+        manager: GrammarManager,
+        budget: ThinkingBudget | None = None,
+    ):
         self.compiled = compiled
         self.kind = kind
+        self.budget = budget
         self._manager = manager
         self._matcher: xgr.GrammarMatcher | None = None
 
     def matcher(self, committed: list[int]) -> xgr.GrammarMatcher:
         if self._matcher is None:
-            matcher = xgr.GrammarMatcher(self.compiled, max_rollback_tokens=MAX_ROLLBACK_TOKENS)
+            matcher = None
+            if self.compiled is not None:
+                matcher = xgr.GrammarMatcher(self.compiled, max_rollback_tokens=MAX_ROLLBACK_TOKENS)
+            if self.budget is not None:
+                matcher = self.budget.matcher(matcher, MAX_ROLLBACK_TOKENS)
             for token in committed:
                 if not matcher.accept_token(token):
                     raise GrammarError(f"replaying output: token {token} not allowed")
@@ -133,6 +148,7 @@ class GrammarManager:
         self.num_drafts_cut = 0  # proposed drafts the grammar refused before verification
         self.seconds = 0.0  # spent in masks, forced tokens, draft checks and commits
         self.jump_forward = True  # False: only single-allowed tokens are forced
+        self.think_tags: ThinkTags | None = None  # made for the first thinking budget
 
     @classmethod
     def build(
@@ -150,8 +166,21 @@ class GrammarManager:
         )
         return cls(compiler, tokenizer, vocab_size, max_rows)
 
-    def attach(self, request: Request, compiled: xgr.CompiledGrammar, kind: str) -> None:
-        request.grammar = RequestGrammar(compiled, kind, self)
+    def attach(
+        self, request: Request, compiled: xgr.CompiledGrammar | None, kind: str | None = None
+    ) -> None:
+        """Give the request its grammar: its compiled constraint (of `kind`: by default its
+        params'), its params' thinking budget."""
+        params = request.params
+        if kind is None:
+            kind = "thinking_token_budget" if compiled is None else params.structured_outputs.kind
+        budget = None
+        if params.thinking_token_budget is not None:
+            if self.think_tags is None:
+                self.think_tags = ThinkTags(self.tokenizer)
+            tags, n = self.think_tags, params.thinking_token_budget
+            budget = ThinkingBudget(tags, n, request.prompt_token_ids)
+        request.grammar = RequestGrammar(compiled, kind, self, budget)
 
     def _matcher(self, request: Request) -> xgr.GrammarMatcher:
         return request.grammar.matcher(request.output_token_ids)
@@ -245,7 +274,7 @@ class GrammarManager:
                     walked.append(token)
                 if m.is_terminated():
                     continue  # a position after the stop token: never emitted
-                m.fill_next_token_bitmask(self.bitmask, i)
+                needed = m.fill_next_token_bitmask(self.bitmask, i)
                 if not self.bitmask[i].any():  # neither a token nor the end: a dead end
                     drafted = f" and {len(walked)} drafted" if walked else ""
                     raise RequestError(
@@ -253,7 +282,8 @@ class GrammarManager:
                         f"{request.num_output_tokens} output tokens{drafted} (the grammar has "
                         "a dead end)"
                     )
-                indices.append(i)
+                if needed is not False:  # (False: every token is allowed)
+                    indices.append(i)
         finally:
             if matcher is not None:
                 matcher.rollback(len(walked))

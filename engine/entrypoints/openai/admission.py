@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fastapi.responses import StreamingResponse
+
 from engine.entrypoints.openai.protocol import APIError
 
 RETRY_AFTER_S = 1  # the 429's Retry-After: requests finish in seconds; a client backs off
@@ -107,3 +109,18 @@ class Ticket:
         adm.num_requests -= self.num_requests
         adm.num_tokens -= self.num_tokens
         self.num_requests = self.num_tokens = 0
+
+
+class TicketedStream(StreamingResponse):
+    """A stream that gives its request's admitted share back when it ends, however it ends
+    (its generator may never start: a client gone before the first byte)."""
+
+    def __init__(self, content, ticket: Ticket, **kwargs):
+        super().__init__(content, **kwargs)
+        self.ticket = ticket
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.ticket.release()

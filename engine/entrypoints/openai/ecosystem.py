@@ -110,9 +110,10 @@ MAX_LOGPROBS = 20  # SamplingParams' limit
 
 
 def resolve_aliases(body: dict, is_chat: bool) -> dict:
-    """llama.cpp's names for OpenAI's fields, as OpenAI's: n_predict is max_tokens (-1: no
+    """llama.cpp's names for OpenAI's (and vLLM's) fields: n_predict is max_tokens (-1: no
     limit, the context's end, even on completions), n_probs is logprobs (chat: logprobs with
-    top_logprobs). Given beside the OpenAI field, it must agree with it."""
+    top_logprobs), thinking_budget_tokens is thinking_token_budget (-1: none). Given beside the
+    other field, it must agree with it."""
     body = dict(body)
     n = body.get("n_predict")
     if n is not None:
@@ -122,6 +123,16 @@ def resolve_aliases(body: dict, is_chat: bool) -> dict:
         if any(g is not None and g != n for g in given):
             raise APIError("n_predict and max_tokens disagree; give one", "n_predict")
         body["max_tokens"] = None if n == -1 else n
+    budget = body.get("thinking_budget_tokens")
+    if budget is not None:
+        if budget < -1:
+            message = f"thinking_budget_tokens must be -1 (no limit) or >= 0, got {budget}"
+            raise APIError(message, "thinking_budget_tokens")
+        budget = None if budget == -1 else budget
+        if body.get("thinking_token_budget") not in (None, budget):
+            message = "thinking_budget_tokens and thinking_token_budget disagree; give one"
+            raise APIError(message, "thinking_budget_tokens")
+        body["thinking_token_budget"] = budget
     probs = body.get("n_probs")
     if probs:  # 0: none, as in llama.cpp
         if not 0 < probs <= MAX_LOGPROBS:
@@ -173,7 +184,8 @@ def chat_template_options(body: dict) -> dict:
     """The chat template's arguments a request sets (vLLM's fields): add_generation_prompt
     (default true), continue_final_message (the last message left open; needs
     add_generation_prompt false), add_special_tokens, documents, and chat_template_kwargs
-    (variables the template reads, such as Qwen3's enable_thinking)."""
+    (variables the template reads, such as Qwen3's enable_thinking), reasoning_effort's among
+    them."""
     generation = body.get("add_generation_prompt") is not False
     cont = bool(body.get("continue_final_message"))
     if generation and cont:
@@ -187,6 +199,7 @@ def chat_template_options(body: dict) -> dict:
             f"chat_template_kwargs cannot set {taken[0]!r} (a request field or the server's)",
             "chat_template_kwargs",
         )
+    kwargs = reasoning_effort_kwargs(body.get("reasoning_effort"), kwargs)
     documents = body.get("documents")
     if documents is not None and not all(isinstance(d, dict) for d in documents):
         raise APIError("documents must be an array of objects", "documents")
@@ -197,6 +210,28 @@ def chat_template_options(body: dict) -> dict:
         "documents": documents,
         "template_kwargs": kwargs,
     }
+
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's
+
+
+def reasoning_effort_kwargs(effort: str | None, kwargs: dict) -> dict:
+    """OpenAI's reasoning_effort on chat, for templates that read it: the template variable
+    `reasoning_effort` (gpt-oss's templates read it, as in vLLM), and "none" also sets
+    `enable_thinking: false` (Qwen3's and others' switch). chat_template_kwargs win where
+    they set the same variables; the effort sets no thinking budget (thinking_token_budget
+    does)."""
+    if effort is None:
+        return kwargs
+    if effort not in REASONING_EFFORTS:
+        raise APIError(
+            f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r:.50}",
+            "reasoning_effort",
+        )
+    implied = {"reasoning_effort": effort}
+    if effort == "none":
+        implied["enable_thinking"] = False
+    return implied | kwargs
 
 
 # The tokenizer's settings /tokenizer_info answers (vLLM's answer holds the tokenizer's init

@@ -69,6 +69,7 @@ _SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
     "frequency_penalty": _NUMBER,
     "logit_bias": (dict,),
     "num_speculative_tokens": (int,),
+    "thinking_token_budget": (int,),  # vLLM's: reasoning tokens before `</think>` is forced
 }
 # OpenAI fields that do not apply to a local engine: accepted (their types checked) and ignored.
 IGNORED_FIELDS: dict[str, tuple[type, ...]] = {
@@ -77,7 +78,7 @@ IGNORED_FIELDS: dict[str, tuple[type, ...]] = {
     "service_tier": (str,),
     "safety_identifier": (str,),
     "prompt_cache_key": (str,),  # our prefix cache needs no key (cache_salt isolates)
-    "reasoning_effort": (str,),  # no reasoning models here
+    "reasoning_effort": (str,),  # chat: a template variable (ecosystem.reasoning_effort_kwargs)
     # vLLM's and llama.cpp's that change no output here:
     "cache_prompt": (bool,),  # llama.cpp's; prefix caching is automatic
     "id_slot": (int,),  # llama.cpp's slot choice (one engine batches every request)
@@ -92,6 +93,7 @@ ECOSYSTEM_FIELDS: dict[str, tuple[type, ...]] = {
     "n_predict": (int,),  # llama.cpp's max_tokens (-1: no limit)
     "n_probs": (int,),  # llama.cpp's top logprobs per token
     "truncate_prompt_tokens": (int,),  # vLLM's: keep the prompt's last N tokens
+    "thinking_budget_tokens": (int,),  # llama.cpp's thinking_token_budget (-1: none)
 }
 CHAT_TEMPLATE_FIELDS: dict[str, tuple[type, ...]] = {  # vLLM's, for the chat template
     "chat_template_kwargs": (dict,),
@@ -131,6 +133,7 @@ COMPLETION_FIELDS = {
 }
 TOKENIZE_FIELDS = {  # vLLM's /tokenize: a prompt, or chat messages
     **CHAT_TEMPLATE_FIELDS,
+    "reasoning_effort": (str,),
     "model": (str,),
     "prompt": (str,),
     "messages": (list,),
@@ -331,6 +334,7 @@ _NOT_WITH_BEAMS = (
     "response_format",
     "structured_outputs",
     "prediction",
+    "thinking_token_budget",
     *_LEGACY_CONSTRAINTS,
 )
 
@@ -382,6 +386,8 @@ def check_messages(messages: list) -> list[dict]:
         message = {"role": m["role"], "content": _text_content(i, m)}
         if m["role"] == "assistant" and m.get("tool_calls"):
             message["tool_calls"] = m["tool_calls"]
+        if m["role"] == "assistant" and isinstance(m.get("reasoning_content"), str):
+            message["reasoning_content"] = m["reasoning_content"]  # (templates may show it)
         if m["role"] == "tool" and m.get("tool_call_id") is not None:
             message["tool_call_id"] = str(m["tool_call_id"])
         out.append(message)

@@ -7,6 +7,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from engine.entrypoints import reasoning
 from engine.entrypoints.beam_search import BeamSearchOutput
 from engine.entrypoints.tools import ToolCallParser, parse_tool_calls
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -25,8 +26,9 @@ class Echo:
 @dataclass
 class ResponseContext:
     """What shapes one request's responses: its kind and model, n and logprobs as asked, echo
-    per prompt (completions), whether chat answers are read for tool calls, and what a stream
-    has sent so far of each choice (its tool-call parser; whether its echo went out)."""
+    per prompt (completions), whether chat answers are read for reasoning and for tool calls,
+    and what a stream has sent so far of each choice (its reasoning and tool-call parsers;
+    whether its echo went out)."""
 
     kind: str  # "completion" | "chat"
     model: str
@@ -34,12 +36,16 @@ class ResponseContext:
     logprobs: int | None = None  # top logprobs per token; None: no logprobs
     echoes: list[Echo] | None = None  # per prompt
     tools: bool = False
+    # Chat answers split into reasoning_content and content (engine.entrypoints.reasoning):
+    # None: not split; else whether the prompt left `<think>` open.
+    starts_in_reasoning: bool | None = None
     with_prompt_logprobs: bool = False  # vLLM's prompt_logprobs field, when asked for
     with_cached_tokens: bool = False  # usage shows cached_tokens (the server's flag)
     with_prediction: bool = False  # usage shows the prediction's accepted and rejected tokens
     id: str = ""
     created: int = 0
     parsers: dict[int, ToolCallParser] = field(default_factory=dict)
+    reasoners: dict[int, reasoning.ReasoningParser] = field(default_factory=dict)
     echoed: set[int] = field(default_factory=set)
     next_offset: dict[int, int] = field(default_factory=dict)  # text_offset a chunk starts at
 
@@ -175,14 +181,21 @@ def choice(
 
 def _chat_choice(ctx: ResponseContext, index: int, c: CompletionOutput, delta: bool) -> dict:
     finish = c.finish_reason
-    if not ctx.tools and delta:
-        return {"index": index, "delta": {"content": c.text}, "finish_reason": finish}
-    if not ctx.tools:
+    if not ctx.tools and ctx.starts_in_reasoning is None:
+        if delta:
+            return {"index": index, "delta": {"content": c.text}, "finish_reason": finish}
         message = {"role": "assistant", "content": c.text}
         return {"index": index, "message": message, "finish_reason": finish}
     if not delta:
-        content, calls = parse_tool_calls(c.text)
+        thought, content = None, c.text
+        if ctx.starts_in_reasoning is not None:
+            thought, content = reasoning.split(c.text, ctx.starts_in_reasoning)
+        calls = []
+        if ctx.tools and content is not None:
+            content, calls = parse_tool_calls(content)
         message = {"role": "assistant", "content": content}
+        if ctx.starts_in_reasoning is not None:  # (null when the answer did not think)
+            message["reasoning_content"] = thought
         if calls:
             message["tool_calls"] = [
                 {
@@ -193,13 +206,31 @@ def _chat_choice(ctx: ResponseContext, index: int, c: CompletionOutput, delta: b
                 for t in calls
             ]
         return {"index": index, "message": message, "finish_reason": _tool_finish(finish, calls)}
+    return _chat_delta(ctx, index, c)
+
+
+def _chat_delta(ctx: ResponseContext, index: int, c: CompletionOutput) -> dict:
+    """A stream chunk's piece of a chat answer that is split into reasoning, content and tool
+    calls (c holds only what is new)."""
+    finish, piece, text = c.finish_reason, {}, c.text
+    if ctx.starts_in_reasoning is not None:
+        reader = ctx.reasoners.setdefault(index, reasoning.ReasoningParser(ctx.starts_in_reasoning))
+        new = reader.feed(c.text, finished=finish is not None)
+        if new.reasoning:
+            piece["reasoning_content"] = new.reasoning
+        text = new.content
+    if not ctx.tools:
+        if text:
+            piece["content"] = text
+        return {"index": index, "delta": piece, "finish_reason": finish}
     parser = ctx.parsers.setdefault(index, ToolCallParser())
-    new = parser.feed(parser.text + c.text)
+    calls = parser.feed(parser.text + text)
     if finish is not None:
-        new.content += parser.finish().content
-    piece = {"content": new.content} if new.content else {}
-    if new.calls:
-        piece["tool_calls"] = new.calls
+        calls.content += parser.finish().content
+    if calls.content:
+        piece["content"] = calls.content
+    if calls.calls:
+        piece["tool_calls"] = calls.calls
     return {"index": index, "delta": piece, "finish_reason": _tool_finish(finish, parser.calls)}
 
 

@@ -19,10 +19,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from engine.entrypoints import reasoning
 from engine.entrypoints.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from engine.entrypoints.llm import chat_prompt_ids
 from engine.entrypoints.openai import ecosystem, protocol, responses
-from engine.entrypoints.openai.admission import Admission, AdmissionLimits, Ticket
+from engine.entrypoints.openai.admission import (
+    Admission,
+    AdmissionLimits,
+    Ticket,
+    TicketedStream,
+)
 from engine.entrypoints.openai.browser import BrowserGuard, server_hosts
 from engine.entrypoints.openai.login import add_login_routes
 from engine.entrypoints.openai.lora_routes import add_lora_routes
@@ -54,11 +60,20 @@ class ServerState:
     allowed_hosts: tuple[str, ...] = ()  # more names (key-less servers check Host)
     allowed_origins: tuple[str, ...] = ()  # sites whose pages may call the server (CORS)
     show_cached_tokens: bool = False  # usage.prompt_tokens_details.cached_tokens: a cache oracle
+    # Chat answers' thinking as reasoning_content (engine.entrypoints.reasoning): auto (when the
+    # chat template writes `<think>`), qwen3 or deepseek_r1 (always), none.
+    reasoning_parser: str = "auto"
     created: int = field(default_factory=lambda: int(time.time()))
     admission: Admission = field(init=False)
 
     def __post_init__(self) -> None:
         self.admission = Admission(self.limits)
+
+    @functools.cached_property
+    def splits_reasoning(self) -> bool:
+        return reasoning.parser_enabled(
+            self.reasoning_parser, getattr(self.tokenizer, "chat_template", None)
+        )
 
     def model_card(self, name: str) -> dict:
         """/v1/models' entry for the base model or an adapter (whose parent is the base)."""
@@ -232,7 +247,11 @@ async def _chat_inputs(state: ServerState, body: dict, ticket: Ticket, width: in
         raise protocol.param_error(exc, body, "messages") from None
     ids = ecosystem.truncate(ids, body)
     ticket.add_tokens(len(ids) * (width or params.n))
-    return [ids], params, lora, {"tools": tools is not None and tools.choice != "none"}
+    fields = {"tools": tools is not None and tools.choice != "none"}
+    if state.splits_reasoning:  # does the answer start inside a thinking block?
+        leaves_open = functools.partial(reasoning.prompt_leaves_open, state.tokenizer, ids)
+        fields["starts_in_reasoning"] = await asyncio.to_thread(leaves_open)
+    return [ids], params, lora, fields
 
 
 def _encode_all(state: ServerState, prompts: list[str | list[int]]) -> list[list[int]]:
@@ -295,7 +314,7 @@ async def _answer(state: ServerState, request: Request, kind: str, ticket: Ticke
     with_spec_stats = bool(body.get("return_spec_stats"))
     if body.get("stream"):
         events = _sse(ctx, streams, protocol.include_usage(body), with_spec_stats)
-        return _TicketedStream(events, ticket, media_type="text/event-stream", headers=headers)
+        return TicketedStream(events, ticket, media_type="text/event-stream", headers=headers)
     finals = await _collect_unless_disconnected(request, streams)
     if finals is None:
         return Response(status_code=499)  # nobody is listening
@@ -303,21 +322,6 @@ async def _answer(state: ServerState, request: Request, kind: str, ticket: Ticke
     if failed:  # its own processing failed; the engine and other requests are fine
         raise request_failed(failed)
     return JSONResponse(responses.final_response(ctx, finals, with_spec_stats), headers=headers)
-
-
-class _TicketedStream(StreamingResponse):
-    """A stream that gives its request's admitted share back when it ends, however it ends
-    (its generator may never start: a client gone before the first byte)."""
-
-    def __init__(self, content, ticket: Ticket, **kwargs):
-        super().__init__(content, **kwargs)
-        self.ticket = ticket
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.ticket.release()
 
 
 async def _beam_search(
