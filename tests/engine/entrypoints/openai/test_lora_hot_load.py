@@ -211,3 +211,24 @@ def test_adapters_served_are_bounded_and_listed_without_paths(hot):
         for name in ("p", "q"):
             post(url, "/v1/unload_lora_adapter", {"lora_name": name})
     assert models(url) == [MODEL]
+
+
+def test_a_symlink_out_of_the_lora_dir_is_refused(hot, demo_adapters, tmp_path):
+    """A link inside --lora-dir to a valid adapter elsewhere does not load it: names resolve
+    (links followed) before the containment check."""
+    import shutil
+
+    url, state, folder = hot
+    outside = tmp_path / "adapter"  # a real adapter, outside the folder
+    shutil.copytree(next(iter(demo_adapters.values())).path, outside)
+    link = folder / f"escape-{tmp_path.name}"
+    link.symlink_to(outside, target_is_directory=True)
+    try:
+        r = post(url, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": link.name})
+    finally:
+        link.unlink()
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "lora_path" and "--lora-dir" in error["message"]
+    assert str(tmp_path) not in r.text
+    assert models(url) == [MODEL]
