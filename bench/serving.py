@@ -45,6 +45,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+import httpx
+
 from bench.harness import Run, Timings, alternate, load_average
 from bench.serving_servers import SERVERS, ServerSpec, find_servers
 
@@ -52,6 +54,7 @@ MODEL = "smollm2-135m-instruct"
 NEW_TOKENS = 64
 # the peer each of ours is judged against (issue 40's targets)
 PAIRS = [("tandem", "llama-server"), ("tandem-fp32", "vllm-fp32"), ("tandem", "vllm-bf16")]
+READ_TIMEOUT = 600.0  # seconds a server may stay silent before its request counts as failed
 FIGURES = ["tok_s", "ttft_p50", "ttft_p95", "itl_p50", "itl_p95", "itl_p99"]
 
 
@@ -80,21 +83,24 @@ async def one_request(client, url: str, prompt: list[int], max_tokens: int) -> S
         "stream_options": {"include_usage": True},
     }
     sample = Sample(time.perf_counter())
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            sample.error = f"HTTP {r.status_code}: {(await r.aread())[:300]!r}"
-            return sample
-        async for line in r.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
-                sample.stamps.append(time.perf_counter())
-            if chunk.get("usage"):
-                sample.usage = chunk["usage"]
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                sample.error = f"HTTP {r.status_code}: {(await r.aread())[:300]!r}"
+                return sample
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    sample.stamps.append(time.perf_counter())
+                if chunk.get("usage"):
+                    sample.usage = chunk["usage"]
+    except httpx.HTTPError as e:  # the request fails its count; the loop goes on
+        sample.error = f"{type(e).__name__}: {e}"
     return sample
 
 
@@ -103,12 +109,10 @@ async def closed_loop(
 ) -> tuple[float, list[Sample]]:
     """`concurrency` clients take the prompts in turn, each sending its next request when its
     last one is done; wall seconds and every request's Sample, in prompt order."""
-    import httpx
-
     todo = iter(enumerate(prompts))  # shared: each client takes the next prompt
     samples: list[Sample | None] = [None] * len(prompts)
     limits = httpx.Limits(max_keepalive_connections=0)  # a connection per request
-    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=READ_TIMEOUT, limits=limits) as client:
 
         async def one_client() -> None:
             for i, prompt in todo:
@@ -285,6 +289,10 @@ def measure(args: argparse.Namespace) -> tuple[dict[str, Timings], dict, list[st
     return alternate(modes, args.repeats, warmup=0), plans, skipped
 
 
+def number(value: float) -> str:
+    return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
 def main(argv: list[str] | None = None) -> int:
     from bench.peers import cpu_summary
 
@@ -302,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, lines in wrong.items():
         print(f"WRONG TOKEN COUNTS {name}: {len(lines)} requests, first: {lines[0]}")
     print(f"load average at the end: {load_average():.2f}")
-    print("RESULT " + " ".join(f"{k}={v:.3g}" for k, v in result.items())
+    print("RESULT " + " ".join(f"{k}={number(v)}" for k, v in result.items())
           + f" tokens_exact={int(not wrong)}")  # fmt: skip
     return 1 if wrong else 0
 
