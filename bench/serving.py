@@ -173,7 +173,12 @@ def server_mode(spec: ServerSpec, plans: dict[int, list[list[int]]]):
             for c, prompts in plans.items():
                 load = load_average()
                 seconds, samples = asyncio.run(closed_loop(url, prompts, c))
-                metrics |= {f"c{c}_{k}": v for k, v in figures(seconds, samples).items()}
+                got = figures(seconds, samples)
+                ms = {k: got[k] * 1e3 for k in ("ttft_p50", "itl_p50", "itl_p95")}
+                print(f"  {spec.name} c{c}: {got['tok_s']:.1f} tok/s, TTFT p50 {ms['ttft_p50']:.0f}"
+                      f" ms, inter-token p50 {ms['itl_p50']:.1f} p95 {ms['itl_p95']:.0f} ms "
+                      f"(load {load:.2f})", flush=True)  # fmt: skip
+                metrics |= {f"c{c}_{k}": v for k, v in got.items()}
                 metrics[f"c{c}_load"] = load
                 info["wrong"] += [f"c{c} {w}" for w in wrong_counts(samples, prompts)]
         return Run(metrics, None, info)
