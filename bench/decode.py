@@ -133,10 +133,9 @@ def hf_mode(model, prompt: list[int], tokens: int, cache_implementation=None) ->
 
 
 def llama_cpp_dir(arg: str | None = None) -> Path | None:
-    d = arg or os.environ.get("TANDEM_LLAMA_CPP")
-    if d and (Path(d) / "llama-bench").is_file():
-        return Path(d)
-    return None
+    from bench.peers import llama_cpp_dir as find
+
+    return find(arg, ("llama-bench",))
 
 
 def gguf_path() -> Path:

@@ -58,11 +58,17 @@ def spread(values: list[float]) -> str:
 
 
 # ---- llama.cpp --------------------------------------------------------------------------------
-def llama_cpp_dir(arg: str | None) -> Path | None:
-    d = arg or os.environ.get("TANDEM_LLAMA_CPP")
-    if d and (Path(d) / "llama-bench").is_file() and (Path(d) / "llama-batched-bench").is_file():
-        return Path(d)
-    return None
+# where `make llama-server` builds llama.cpp's tools
+LLAMA_CPP_BUILD = Path(__file__).resolve().parents[1] / ".llama.cpp" / "build" / "bin"
+
+
+def llama_cpp_dir(
+    arg: str | None, tools: tuple[str, ...] = ("llama-bench", "llama-batched-bench")
+) -> Path | None:
+    """The folder with llama.cpp's `tools`: `arg`, else $TANDEM_LLAMA_CPP, else
+    LLAMA_CPP_BUILD; None when it lacks one of them."""
+    d = Path(arg or os.environ.get("TANDEM_LLAMA_CPP") or LLAMA_CPP_BUILD)
+    return d if all((d / tool).is_file() for tool in tools) else None
 
 
 def _run(bin_dir: Path, tool: str, *args) -> str:

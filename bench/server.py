@@ -41,6 +41,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import signal
 import statistics
 import subprocess
 import tempfile
@@ -166,16 +167,34 @@ def serving(model: str = MODEL, flags: list[str] | None = None) -> Iterator[str]
     port = free_port()
     command = [sys.executable, "-m", "playground.cli", "serve", "--model", model]
     command += ["--port", str(port), *(SERVER_FLAGS if flags is None else flags)]
+    with launched(command, f"http://127.0.0.1:{port}") as url:
+        yield url
+
+
+@contextlib.contextmanager
+def launched(
+    command: list[str], url: str, env: dict | None = None, timeout: float = 300.0
+) -> Iterator[str]:
+    """Any HTTP server (ours, llama-server, vLLM) started by `command`, in a session of its own:
+    yields `url` once `url`/health answers 200 and stops it on the way out. A server that
+    forks workers (vLLM) is stopped with them: whatever of its process group outlives it is
+    killed."""
     with tempfile.TemporaryFile() as log:
         server = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         try:
-            url = f"http://127.0.0.1:{port}"
-            _wait_healthy(url, server, log)
+            _wait_healthy(url, server, log, timeout)
             yield url
         finally:
             stop(server)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server.pid, signal.SIGKILL)  # the group id is its pid
 
 
 def _die_with_parent() -> None:
@@ -183,7 +202,6 @@ def _die_with_parent() -> None:
     dies without reaching `serving`'s cleanup (killed), so no server outlives it."""
     if sys.platform == "linux":
         import ctypes
-        import signal
 
         pr_set_pdeathsig = 1
         ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGTERM)

