@@ -17,6 +17,7 @@ DTYPES = {
 }
 
 QUANTIZATIONS = (None, "auto", "int4", "int8")
+KV_DTYPES = ("auto", "float32", "bfloat16", "int8")  # (engine.models.kv_cache reads them)
 DRAFT_QUANTIZATIONS = (*QUANTIZATIONS, "dynamic-int8")
 
 # Drafts per request per step; verification rows are attended in the batched short-query path.
@@ -42,6 +43,10 @@ class EngineConfig:
     # "bfloat16" or "float16".
     device: str = "auto"
     dtype: str = "auto"
+    # The KV cache: "auto" (in dtype: exact), "float32" / "bfloat16" (dtype's own, named), or
+    # "int8" (codes with a float32 scale per 32 values: ~3.5x the tokens in the same memory;
+    # read by the C++ CPU layers only; its quality rule in engine.models.kv_cache).
+    kv_cache_dtype: str = "auto"
     # Weights: "auto" (a GGUF model, as every embedded one, runs its own quantized blocks on
     # CPU: engine.models.quantized; elsewhere dense), None (dense in dtype: the exact reference
     # the HF-parity tests use), "int4" / "int8" (weight-only, quantized from a dense checkpoint).
@@ -199,5 +204,6 @@ _RULES: list[Rule] = [
     ("kv_cache_memory_fraction", number_in(0.0, 0.9, low_open=True), "must be in (0, 0.9]"),
     ("gpu_memory_utilization", number_in(0.0, 0.98, low_open=True), "must be in (0, 0.98]"),
     ("dtype", one_of(*DTYPES), f"must be one of {sorted(DTYPES)}"),
+    ("kv_cache_dtype", one_of(*KV_DTYPES), f"must be one of {KV_DTYPES}"),
     ("device", _is_device, "must be 'auto', 'cpu', 'cuda' or 'cuda:N'"),
 ]

@@ -14,16 +14,12 @@ def kv_utilization(engine) -> tuple[int, int]:
     return sum(filled.values()), len(filled) * bs
 
 
+NO_GRAMMAR = dict(num_matchers=0, drafts_cut=0, seconds=0.0, compiled=0, cache_hits=0, cache_size=0)
+
+
 def grammar_state(grammar) -> dict:
     if grammar is None:
-        return {
-            "num_matchers": 0,
-            "drafts_cut": 0,
-            "seconds": 0.0,
-            "compiled": 0,
-            "cache_hits": 0,
-            "cache_size": 0,
-        }
+        return dict(NO_GRAMMAR)
     return {
         "num_matchers": grammar.num_matchers,
         "drafts_cut": grammar.num_drafts_cut,
@@ -99,6 +95,8 @@ def summary(engine) -> dict:
         "kv_tokens_stored": stored,
         "kv_slots_allocated": allocated,
         "kv_utilization": stored / allocated if allocated else 1.0,
+        "kv_cache_dtype": str(engine.runner.kv_caches.dtype).removeprefix("torch."),
+        "kv_bytes_per_token": engine.kv_bytes_per_token,  # target and draft, scales included
         "num_steps": engine.num_steps,
         "num_overlapped_steps": engine.pipeline.num_overlapped_steps,
         "num_request_errors": engine.num_request_errors,

@@ -47,7 +47,7 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         torch.set_flush_denormal(True)
-        device, dtype = config.torch_device, config.torch_dtype
+        device = config.torch_device
         if device.type == "cuda" and device.index is not None:
             # Triton launches and CUDA graphs act on the current device, not the tensors'.
             torch.cuda.set_device(device)
@@ -61,7 +61,8 @@ class LLMEngine:
             config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
         )
         self.vocab_size = cfg.vocab_size
-        block_bytes = models.kv_bytes_per_block(config.block_size, dtype)
+        block_bytes = models.kv_bytes_per_block(config.block_size)  # int8 scales included
+        self.kv_bytes_per_token = block_bytes / config.block_size
         num_blocks = config.num_kv_blocks or max(2, config.kv_budget_bytes() // block_bytes)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -73,14 +74,14 @@ class LLMEngine:
             if config.max_step_ms is None
             else StepBudget(config.max_step_ms, config.block_size),
         )
-        self.runner = self._runner(models.model, models.shard_cfg, num_blocks)
+        self.runner = self._runner(models.model, models.shard_cfg, num_blocks, models.kv_formats[0])
         if self.workers is not None:
             self.workers.attach(self.runner, num_blocks)
         self.runner.generator.manual_seed(config.seed)
         self.adapters = self._adapters("lora_request", self.runner)
         self.draft_runner = self.draft_adapters = None
         if models.draft is not None:
-            self.draft_runner = self._runner(*models.draft, num_blocks)
+            self.draft_runner = self._runner(*models.draft, num_blocks, models.kv_formats[1])
             self.draft_runner.lora_of = lambda request: request.draft_lora
             self.draft_adapters = self._adapters("draft_lora_request", self.draft_runner)
         # spec/ builds on the engine's core; it is loaded here, not at import, so that
@@ -107,10 +108,10 @@ class LLMEngine:
         self.num_steps = self.num_generated_tokens = 0
         self.num_request_errors = 0  # groups ended by a failure of their own (Request.fail)
 
-    def _runner(self, model, cfg, num_blocks: int) -> ModelRunner:
+    def _runner(self, model, cfg, num_blocks: int, kv_format: torch.dtype) -> ModelRunner:
         config = self.config
         backend = resolve_backend(config.attention_backend, config.torch_device)
-        runner = ModelRunner(model, cfg, num_blocks, config.block_size, backend)
+        runner = ModelRunner(model, cfg, num_blocks, config.block_size, backend, kv_format)
         if config.enable_lora:
             runner.lora_slots = LoRASlots(
                 cfg, config.max_loras, config.max_lora_rank, runner.device, runner.dtype

@@ -35,6 +35,7 @@ from engine.inputs import (
     flat_inputs,
     pending_inputs,
 )
+from engine.models import kv_cache
 from engine.models.causal_lm import CausalLM
 from engine.models.config import ModelConfig
 from engine.rejection import (
@@ -202,6 +203,7 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         backend: Backend = TORCH,
+        kv_format: torch.dtype | None = None,  # the cache's elements (models.kv_cache); None: dtype
     ):
         self.model = model
         self.cfg = cfg
@@ -210,16 +212,9 @@ class ModelRunner:
         self.backend = backend  # the torch references or the Triton kernels
         weight = model.norm.weight  # (packed or quantized layers keep no dense weight)
         self.device, self.dtype = weight.device, weight.dtype
-        # [num_layers, 2 (K, V), Hkv, num_blocks, block_size, D]
-        self.kv_caches = torch.zeros(
-            cfg.num_layers,
-            2,
-            cfg.num_kv_heads,
-            num_blocks,
-            block_size,
-            cfg.head_dim,
-            dtype=self.dtype,
-            device=self.device,
+        # [num_layers, 2 (K, V), Hkv, num_blocks, block_size, D] (int8: D + D / 8 bytes a row)
+        self.kv_caches = kv_cache.allocate(
+            cfg, num_blocks, block_size, kv_format or self.dtype, self.device
         )
         self.generator = torch.Generator(self.device).manual_seed(0)  # unseeded requests' draws
         # Constrained decoding: masker(logits [R, V], [(request, drafts before row i)]) in place.

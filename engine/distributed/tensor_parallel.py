@@ -205,6 +205,7 @@ def worker(port: int, rank: int) -> None:
     """One rank > 0: load the shard, then do what rank 0 broadcasts until it says stop."""
     from engine.backends import resolve_backend
     from engine.model_runner import ModelRunner
+    from engine.models.kv_cache import kv_cache_format
     from engine.models.loader import load_target
 
     config, world = pickle.loads(sys.stdin.buffer.read())
@@ -216,7 +217,9 @@ def worker(port: int, rank: int) -> None:
     model, cfg, _ = load_target(config, group)
     _, num_blocks = group.broadcast()
     backend = resolve_backend(config.attention_backend, config.torch_device)
-    runner = ModelRunner(model, local_config(cfg, world), num_blocks, config.block_size, backend)
+    kv_format = kv_cache_format(config.kv_cache_dtype, model)
+    shard = local_config(cfg, world)
+    runner = ModelRunner(model, shard, num_blocks, config.block_size, backend, kv_format)
     slots, hidden = None, None  # hidden: the last forward's [N, hidden] (for "logits")
     if config.enable_lora:
         from lora.batch import LoRASlots

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.config import QUANTIZATIONS, EngineConfig
+from engine.models import kv_cache
 from engine.models.architectures import Checkpoint, architecture
 from engine.models.causal_lm import CausalLM
 from engine.models.config import ModelConfig
@@ -168,13 +169,16 @@ class EngineModels:
     tokenizer: PreTrainedTokenizerBase
     eos_token_ids: set[int]  # the generation config's and the tokenizer's
     shard_cfg: ModelConfig  # the shape of this rank's shard of the target (cfg on one rank)
+    # The target's KV cache elements and the draft's (engine.models.kv_cache.kv_cache_format)
+    kv_formats: tuple[torch.dtype, torch.dtype | None] = (torch.float32, None)
 
-    def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+    def kv_bytes_per_block(self, block_size: int) -> int:
         """This process's bytes per block: the draft model's KV (on rank 0 only, whole) lives
         in the same blocks as the target's share."""
-        cfgs = [self.shard_cfg] + ([self.draft[1]] if self.draft else [])
-        element_bytes = torch.empty((), dtype=dtype).element_size()
-        return sum(c.kv_bytes_per_block(block_size, element_bytes) for c in cfgs)
+        shapes = [(self.shard_cfg, self.kv_formats[0])]
+        if self.draft:
+            shapes.append((self.draft[1], self.kv_formats[1]))
+        return sum(kv_cache.kv_bytes_per_block(c, block_size, f) for c, f in shapes)
 
 
 def load_target(config: EngineConfig, group=None) -> tuple[CausalLM, ModelConfig, Path]:
@@ -210,8 +214,9 @@ def load_engine_models(config: EngineConfig, group=None) -> EngineModels:
     shard_cfg = cfg if group is None else local_config(cfg, group.world)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     eos = read_generation_eos(path) | {tokenizer.eos_token_id} - {None}
+    target_kv = kv_cache.kv_cache_format(config.kv_cache_dtype, model)
     if config.spec_method != "draft":
-        return EngineModels(path, model, cfg, None, tokenizer, eos, shard_cfg)
+        return EngineModels(path, model, cfg, None, tokenizer, eos, shard_cfg, (target_kv, None))
     dense = needs_dense(config.draft_quantization, device)
     draft_path = path if config.draft_model == "self" else resolve_model(config.draft_model, dense)
     draft_model, draft_cfg, _ = load_model(
@@ -226,4 +231,7 @@ def load_engine_models(config: EngineConfig, group=None) -> EngineModels:
             f"draft_model vocabulary ({draft_cfg.vocab_size}) differs from the target's "
             f"({cfg.vocab_size}); the two models must share a tokenizer"
         )
-    return EngineModels(path, model, cfg, (draft_model, draft_cfg), tokenizer, eos, shard_cfg)
+    # The draft's KV is int8 too where its layers run on the C++ kernels, else in its dtype.
+    draft_kv = kv_cache.kv_cache_format(config.kv_cache_dtype, draft_model, strict=False)
+    draft = (draft_model, draft_cfg)
+    return EngineModels(path, model, cfg, draft, tokenizer, eos, shard_cfg, (target_kv, draft_kv))

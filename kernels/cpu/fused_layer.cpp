@@ -7,16 +7,17 @@
 //   h = rms_norm(x) w2;  g, u = h Wgu^T;  x += (silu(g) u) Wdown^T
 //
 // the same math as engine/models/llama.py's DecoderLayer, with the four projections on the
-// quantized kernel (quant_matmul.cpp). Float32 throughout. Every row goes through the same
-// instructions whatever else is in the call, and attends its own context one row at a time, so
-// a row's numbers depend only on its request's tokens: a prompt cached or not, chunked one way
-// or another, recomputed after preemption, or a verification row in place of the same token's
-// decode step, all give the same bits. The pieces are ops of their own too (rms_norm,
-// rope_store, attend, silu_mul): the Python layer composes them around LoRA and tensor-parallel
-// sums with the same results for every row those do not touch.
+// quantized kernel (quant_matmul.cpp). Float32 throughout (the KV cache may be int8). Every
+// row goes through the same instructions whatever else is in the call, and attends its own
+// context one row at a time, so a row's numbers depend only on its request's tokens: a prompt
+// cached or not, chunked one way or another, recomputed after preemption, or a verification
+// row in place of the same token's decode step, all give the same bits. The pieces are ops
+// of their own too (rms_norm, rope_store, attend, silu_mul): the Python layer composes them
+// around LoRA and tensor-parallel sums with the same results for every row those do not touch.
 //
 // Cache layout (kernels/reference.py): [Hkv, num_blocks, block_size, D] for K and V; a slot is
-// block * block_size + offset; block tables are padded with the null block 0.
+// block * block_size + offset; block tables are padded with the null block 0. Or int8 codes
+// with a scale per row (kv_int8.h): every piece that touches the cache takes either.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -26,6 +27,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "kv_int8.h"
 #include "quant_matmul.h"
 #include "simd.h"
 
@@ -144,6 +146,17 @@ Cache view(at::Tensor& cache, int64_t num_kv_heads, int64_t head_dim) {
           cache.size(2)};
 }
 
+// f(k view, v view) over float32 caches or int8 ones (kv_int8.h), as the tensors are.
+template <class F>
+void with_caches(at::Tensor& k_cache, at::Tensor& v_cache, int64_t num_kv_heads,
+                 int64_t head_dim, F&& f) {
+  if (k_cache.scalar_type() == at::kChar) {
+    f(int8_view(k_cache, num_kv_heads, head_dim), int8_view(v_cache, num_kv_heads, head_dim));
+  } else {
+    f(view(k_cache, num_kv_heads, head_dim), view(v_cache, num_kv_heads, head_dim));
+  }
+}
+
 // Where each row's keys are: its request's block table and its context length.
 struct Rows {
   int64_t count;
@@ -191,6 +204,14 @@ void norm_rows(const float* x, const float* w, float eps, int64_t rows, int64_t 
 // [D, block_size] slab (key t's element i at i * block_size + t), so eight consecutive keys'
 // element i are one load and a score needs no horizontal sum; values stay [block_size, D].
 inline float* key_slab(const Cache& kc, int64_t head, int64_t block) { return kc.at(head, block, 0); }
+
+// A token's key k [D] and value v [D] at `offset` of `block` of kv head g.
+inline void store_kv(const Cache& kc, const Cache& vc, int64_t g, int64_t block, int64_t offset,
+                     const float* k, const float* v, int64_t d) {
+  float* slab = key_slab(kc, g, block);
+  for (int64_t i = 0; i < d; ++i) slab[i * kc.block_size + offset] = k[i];  // transposed
+  std::copy_n(v, d, vc.at(g, block, offset));
+}
 
 // Lanes [0, count) of 8 floats at p (masked: a block's last chunk may hold fewer than 8 keys).
 inline __m256 load_lanes(const float* p, int64_t count) {
@@ -327,8 +348,9 @@ struct HeadPrep {
 
 // q and k of every row normed per head (if norms), rotated in place (positions' cos, sin
 // [rows, D]); k, v stored.
+template <class KV>
 void rope_store_rows(float* qkv, const float* cs, const float* sn, const Heads& hd,
-                     const Rows& rows, const Cache& kc, const Cache& vc, const HeadPrep& prep) {
+                     const Rows& rows, const KV& kc, const KV& vc, const HeadPrep& prep) {
   const int64_t d = hd.head_dim;
   for (int64_t b = 0; b < rows.count; ++b) {
     float* row = qkv + b * hd.cols();
@@ -341,9 +363,7 @@ void rope_store_rows(float* qkv, const float* cs, const float* sn, const Heads& 
     const int64_t bs = kc.block_size, block = rows.slots[b] / bs, offset = rows.slots[b] % bs;
     for (int64_t g = 0; g < hd.num_kv_heads; ++g) {
       const float* k = row + hd.q_size() + g * d;
-      float* slab = key_slab(kc, g, block);
-      for (int64_t i = 0; i < d; ++i) slab[i * bs + offset] = k[i];  // transposed: see key_slab
-      std::copy_n(row + hd.q_size() + hd.kv_size() + g * d, d, vc.at(g, block, offset));
+      store_kv(kc, vc, g, block, offset, k, k + hd.kv_size(), d);
     }
   }
 }
@@ -351,8 +371,9 @@ void rope_store_rows(float* qkv, const float* cs, const float* sn, const Heads& 
 // attn [rows, q_size]: each row's query heads over its own context, one (row, kv head) at a
 // time: scores in key order, softmax, then the values summed in key order. A row's steps depend
 // on its context length only, never on the other rows of the call.
-void attend_rows(const float* qkv, const Heads& hd, const Rows& rows, const Cache& kc,
-                 const Cache& vc, float scale, int64_t window, float* attn) {
+template <class KV>
+void attend_rows(const float* qkv, const Heads& hd, const Rows& rows, const KV& kc,
+                 const KV& vc, float scale, int64_t window, float* attn) {
   const int64_t d = hd.head_dim, group = hd.num_heads / hd.num_kv_heads;
   // Tasks kv-head-major: a worker's consecutive tasks read the same head's keys and values
   // (a request's rows share them), which then stay in its cache.
@@ -471,8 +492,6 @@ void fused_layer(at::Tensor x, const std::vector<at::Tensor>& weights, at::IntAr
               "tandem_cpu: cos, sin must be contiguous [B, (1,) D]");
   const Rows rows =
       rows_of(per_row(slots, batch, "slots"), block_tables, row_tables, seq_lens, batch);
-  const Cache kc = view(k_cache, num_kv_heads, hd.head_dim);
-  const Cache vc = view(v_cache, num_kv_heads, hd.head_dim);
   float* xs = x.data_ptr<float>();
 
   thread_local std::vector<float> buf;
@@ -486,9 +505,11 @@ void fused_layer(at::Tensor x, const std::vector<at::Tensor>& weights, at::IntAr
 
   norm_rows(xs, norm1.data_ptr<float>(), eps, batch, hidden, h);
   linear(w[0], h, batch, hidden, qkv, hd.cols());
-  rope_store_rows(qkv, cos.data_ptr<float>(), sin.data_ptr<float>(), hd, rows, kc, vc,
-                  head_prep(q_norm, k_norm, head_eps, hd.head_dim, rotary_dim));
-  attend_rows(qkv, hd, rows, kc, vc, static_cast<float>(scale), window, attn);
+  const HeadPrep prep = head_prep(q_norm, k_norm, head_eps, hd.head_dim, rotary_dim);
+  with_caches(k_cache, v_cache, num_kv_heads, hd.head_dim, [&](const auto& kc, const auto& vc) {
+    rope_store_rows(qkv, cos.data_ptr<float>(), sin.data_ptr<float>(), hd, rows, kc, vc, prep);
+    attend_rows(qkv, hd, rows, kc, vc, static_cast<float>(scale), window, attn);
+  });
   linear(w[1], attn, batch, hd.q_size(), out, hidden);
   for (int64_t i = 0; i < batch * hidden; ++i) xs[i] += out[i];
 
@@ -526,10 +547,11 @@ void rope_store_op(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin,
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == batch * hd.head_dim,
               "tandem_cpu: cos, sin must be contiguous [B, (1,) D]");
   const Rows rows{batch, per_row(slots, batch, "slots"), nullptr, nullptr, nullptr, 0, 0};
-  rope_store_rows(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), hd,
-                  rows, view(k_cache, num_kv_heads, hd.head_dim),
-                  view(v_cache, num_kv_heads, hd.head_dim),
-                  head_prep(q_norm, k_norm, head_eps, hd.head_dim, rotary_dim));
+  const HeadPrep prep = head_prep(q_norm, k_norm, head_eps, hd.head_dim, rotary_dim);
+  with_caches(k_cache, v_cache, num_kv_heads, hd.head_dim, [&](const auto& kc, const auto& vc) {
+    rope_store_rows(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), hd,
+                    rows, kc, vc, prep);
+  });
 }
 
 at::Tensor attend_op(const at::Tensor& qkv, at::Tensor k_cache, at::Tensor v_cache,
@@ -543,9 +565,10 @@ at::Tensor attend_op(const at::Tensor& qkv, at::Tensor k_cache, at::Tensor v_cac
   check_rows(qkv, hd.cols(), "qkv");
   const Rows rows = rows_of(nullptr, block_tables, row_tables, seq_lens, qkv.size(0));
   at::Tensor attn = at::empty({qkv.size(0), hd.q_size()}, qkv.options());
-  attend_rows(qkv.data_ptr<float>(), hd, rows, view(k_cache, num_kv_heads, head_dim),
-              view(v_cache, num_kv_heads, head_dim), static_cast<float>(scale), window,
-              attn.data_ptr<float>());
+  with_caches(k_cache, v_cache, num_kv_heads, head_dim, [&](const auto& kc, const auto& vc) {
+    attend_rows(qkv.data_ptr<float>(), hd, rows, kc, vc, static_cast<float>(scale), window,
+                attn.data_ptr<float>());
+  });
   return attn;
 }
 

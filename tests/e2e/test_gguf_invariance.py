@@ -7,8 +7,10 @@ Each variant is compared with the requests run one at a time on an engine withou
 caching (the whole prompt in one step). The broken variant puts prefill chunks back on the
 Python layers' numerics (the bug this guards against: a prompt's rows took another path than
 its decode rows, so a cache hit changed the answer) and the same comparison rejects it.
-SmolLM2 runs in the default suite; the Qwen2.5-Coder models are `slow` and need their weight
-packages (the skip message prints the pip command).
+SmolLM2 runs in the default suite, with a float32 KV cache and with an int8 one (its rows are
+quantized as they are stored, so they too depend on the request's tokens only); the
+Qwen2.5-Coder models are `slow` and need their weight packages (the skip message prints the pip
+command).
 """
 
 from __future__ import annotations
@@ -82,29 +84,32 @@ def run(llm: LLM, prompts, params, lora_request=None) -> list:
     return results(outs)
 
 
-def alone(name: str) -> tuple[list, list, list]:
-    """(prompts, params, each request's results run by itself without prefix caching)."""
-    llm = LLM(name, enable_prefix_caching=False, kv_cache_memory_bytes=64 << 20)
+def alone(name: str, **kw) -> tuple[list, list, list]:
+    """(prompts, params, each request's results run by itself without prefix caching); kw:
+    more of the engines' config (the KV cache's dtype)."""
+    llm = LLM(name, enable_prefix_caching=False, kv_cache_memory_bytes=64 << 20, **kw)
     assert llm.engine.runner.model.fused_layers  # the C++ kernels: the default path
     prompts, params = prompts_for(llm), sampling()
     return prompts, params, [run(llm, [p], [q])[0] for p, q in zip(prompts, params, strict=True)]
 
 
-def variants(name: str, prompts, params) -> dict[str, list]:
+def variants(name: str, prompts, params, **kw) -> dict[str, list]:
     """The same batch under each way of splitting the work."""
     got = {}
-    cached = LLM(name, enable_prefix_caching=True, kv_cache_memory_bytes=64 << 20)
+    cached = LLM(name, enable_prefix_caching=True, kv_cache_memory_bytes=64 << 20, **kw)
     got["batched"] = run(cached, prompts, params)
     got["prefix cache hits"] = run(cached, prompts, params)
     assert cached.engine.snapshot()["prefix_cache"]["hit_tokens"] > 0
     for chunk in (5, 33):  # chunk boundaries below and above a fused step's old 16-row limit
-        llm = LLM(name, max_num_batched_tokens=chunk, enable_prefix_caching=True)
+        llm = LLM(name, max_num_batched_tokens=chunk, enable_prefix_caching=True, **kw)
         got[f"chunks of {chunk}"] = run(llm, prompts, params)
     # A tiny step-time budget: beside decodes, prompts advance by a block per step.
-    budget = LLM(name, max_num_batched_tokens=40, max_step_ms=0.001, enable_prefix_caching=False)
+    budget = LLM(
+        name, max_num_batched_tokens=40, max_step_ms=0.001, enable_prefix_caching=False, **kw
+    )
     got["step budget"] = run(budget, prompts, params)
     assert budget.engine.scheduler.step_budget.cost.fitted  # it did size the chunks
-    tight = LLM(name, num_kv_blocks=14, block_size=8, enable_prefix_caching=False)
+    tight = LLM(name, num_kv_blocks=14, block_size=8, enable_prefix_caching=False, **kw)
     got["preempted"] = run(tight, prompts, params)
     assert tight.engine.snapshot()["num_preemptions"] > 0
     return got
@@ -118,6 +123,14 @@ def smollm2():
 def test_smollm2_gguf_requests_keep_their_bits(smollm2):
     prompts, params, want = smollm2
     for variant, got in variants("smollm2-135m-instruct", prompts, params).items():
+        assert got == want, variant
+
+
+def test_smollm2_gguf_requests_keep_their_bits_over_an_int8_kv_cache(smollm2):
+    name, int8 = "smollm2-135m-instruct", {"kv_cache_dtype": "int8"}
+    prompts, params, want = alone(name, **int8)
+    assert want != smollm2[2]  # (the cache is another numerics: some logprob bits differ)
+    for variant, got in variants(name, prompts, params, **int8).items():
         assert got == want, variant
 
 

@@ -33,6 +33,8 @@ INVALID = [
     ("kv_cache_memory_fraction", 0.95),
     ("gpu_memory_utilization", 0),
     ("dtype", "float64"),
+    ("kv_cache_dtype", "int4"),
+    ("kv_cache_dtype", None),
     ("device", "tpu"),
     ("device", 0),
 ]

@@ -1,6 +1,9 @@
 """The C++ layers' pieces (kernels/cpu/fused_layer.cpp): RoPE and the cache write, attention
 over each row's own context against softmax attention in float64, a row's bits independent of
-the rows beside it, and the fused call equal to the same pieces composed from Python."""
+the rows beside it, and the fused call equal to the same pieces composed from Python. The int8
+KV cache (kernels/cpu/kv_int8.h) against its torch reference (kernels/kv_int8.py): rope_store
+writes the reference's bytes, attend over the codes equals softmax attention over the
+dequantized rows, and a row is within half a step of what was stored."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import torch
 
 from engine.models.layers import apply_rope
 from engine.models.quantized import tandem_kernel_available
+from kernels import kv_int8
 from kernels.reference import causal_mask
 
 pytestmark = pytest.mark.skipif(not tandem_kernel_available(), reason="no C++ kernel")
@@ -151,16 +155,24 @@ def test_attend_refuses_a_context_beyond_its_table():
         attend(qkv[:1], caches, tables, row_tables[:1], seq_lens[:1] + 8, heads, 1.0, 0)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # a QKV bias; per-head norms
-def test_fused_layer_equals_its_pieces_composed(tmp_path, arch):
+def test_fused_layer_equals_its_pieces_composed(tmp_path, arch, kv_cache_dtype):
     """A layer's one C++ call and its pieces composed from Python (as steps with adapters or
-    tensor-parallel sums run them): the same hidden states and caches, bit for bit."""
+    tensor-parallel sums run them): the same hidden states and caches, bit for bit, with a
+    float32 cache or an int8 one."""
     from engine import LLM
     from engine.attention import row_metadata, slot_ids
     from models import make_tiny_model
 
     path = make_tiny_model(tmp_path / "tiny", arch)
-    llm = LLM(str(path), quantization="int4", num_kv_blocks=16, block_size=4)
+    llm = LLM(
+        str(path),
+        quantization="int4",
+        num_kv_blocks=16,
+        block_size=4,
+        kv_cache_dtype=kv_cache_dtype,
+    )
     model = llm.engine.runner.model
     assert model.fused_layers
     layer = model.layers[0]
@@ -176,7 +188,15 @@ def test_fused_layer_equals_its_pieces_composed(tmp_path, arch):
     x = torch.randn(n, model.config.hidden_size, generator=g)
     positions = meta.seq_lens - 1
     cos, sin = model.rotary["global"](positions)
-    caches = torch.randn_like(llm.engine.runner.kv_caches[0])
+    caches = llm.engine.runner.kv_caches[0]
+    if kv_cache_dtype == "int8":  # rows of earlier tokens: codes and scales as stored
+        num_kv_heads, d = caches.shape[1], model.config.head_dim
+        rows = torch.randn(2, 16 * 4, num_kv_heads, d, generator=g)
+        caches = caches.clone()
+        kv_int8.store(*caches, *rows, torch.arange(16 * 4))
+        assert caches.dtype == torch.int8
+    else:
+        caches = torch.randn_like(caches)
     fused_cache, composed_cache = caches.clone(), caches.clone()
     fused = layer(x.clone(), cos, sin, fused_cache, meta)
     call, layer.fused = layer.fused, None  # the pieces
@@ -185,3 +205,92 @@ def test_fused_layer_equals_its_pieces_composed(tmp_path, arch):
     assert torch.equal(fused, composed)
     assert torch.equal(fused_cache, composed_cache)
     assert not torch.equal(fused_cache, caches)  # the step's keys and values were written
+
+
+def test_a_value_is_within_half_a_step_and_zero_and_nan_groups_are_kept_apart():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 64, generator=g) * torch.rand(50, 1, generator=g) * 10
+    x[3] = 0.0
+    x[7, 5] = float("nan")
+    codes, scales = kv_int8.quantize_rows(x)  # [50, 64], [50, 2]: a scale per 32 values
+    assert scales.shape == (50, 2)
+    ok = [i for i in range(50) if i not in (3, 7)]
+    step = scales[ok].repeat_interleave(32, dim=1)  # [48, 64]
+    back = codes[ok].float() * step
+    assert (back - x[ok]).abs().le(step / 2 + x[ok].abs() * 1e-6).all()  # (float rounding)
+    assert codes[ok].view(48, 2, 32).abs().amax(-1).eq(127).all()  # each group's largest: 127
+    assert scales[3].eq(0).all() and codes[3].eq(0).all()
+    assert scales[7, 0].isnan() and codes[7, :32].eq(0).all()  # its other group as any
+    assert torch.equal(codes[7, 32:], kv_int8.quantize_rows(x[7:8, 32:])[0][0])
+    assert [kv_int8.row_bytes(d) for d in (64, 128, 16, 24)] == [72, 144, 20, 36]
+
+
+def int8_caches(float_caches, heads) -> tuple[torch.Tensor, torch.Tensor]:
+    k_cache, _ = float_caches
+    num_kv_heads, num_blocks, block_size, d = k_cache.shape
+    shape = (num_kv_heads, num_blocks, block_size, kv_int8.row_bytes(d))
+    return torch.zeros(shape, dtype=torch.int8), torch.zeros(shape, dtype=torch.int8)
+
+
+def stored_int8(heads, block_size: int, lens: list[int]):
+    """requests_in_cache's tokens stored again by rope_store into int8 caches, and the same
+    rows stored by the reference. Returns (qkv rotated, int8 caches, reference caches, rest)."""
+    num_heads, num_kv_heads, d = heads
+    qkv, caches, tables, row_tables, seq_lens = requests_in_cache(heads, block_size, lens)
+    slots = []
+    for i, n in enumerate(lens):
+        slots += [int(tables[i, p // block_size]) * block_size + p % block_size for p in range(n)]
+    slots = torch.tensor(slots)
+    # rope_store rotates q and k in place: hand it the rotated rows with an identity rotation
+    total = qkv.shape[0]
+    ones, zeros = torch.ones(total, d), torch.zeros(total, d)
+    int8 = int8_caches(caches, heads)
+    torch.ops.tandem_cpu.rope_store(
+        qkv.clone(), ones, zeros, *int8, slots, num_heads, num_kv_heads
+    )  # fmt: skip
+    q_size, kv_size = num_heads * d, num_kv_heads * d
+    k = qkv[:, q_size : q_size + kv_size].reshape(total, num_kv_heads, d)
+    v = qkv[:, q_size + kv_size :].reshape(total, num_kv_heads, d)
+    reference = int8_caches(caches, heads)
+    kv_int8.store(*reference, k, v, slots)
+    return qkv, int8, reference, tables, row_tables, seq_lens
+
+
+@pytest.mark.parametrize("block_size", [4, 12, 16])
+@pytest.mark.parametrize("heads", [(3, 1, 8), (6, 2, 64), (4, 2, 128), (4, 4, 24)])
+@pytest.mark.parametrize("window", [0, 7])
+def test_int8_attend_equals_attention_over_the_dequantized_rows(block_size, heads, window):
+    lens = [1, 19, 45]
+    qkv, int8, reference, tables, row_tables, seq_lens = stored_int8(heads, block_size, lens)
+    assert torch.equal(int8[0], reference[0]) and torch.equal(int8[1], reference[1])
+    # the oracle: softmax attention over the rows as the cache holds them
+    num_heads, num_kv_heads, d = heads
+    q_size, kv_size = num_heads * d, num_kv_heads * d
+    k_rows, v_rows = kv_int8.dequantize(int8[0], d, True), kv_int8.dequantize(int8[1], d, False)
+    held = qkv.clone()
+    flat_slots = []
+    for i, n in enumerate(lens):
+        flat_slots += [(int(tables[i, p // block_size]), p % block_size) for p in range(n)]
+    blocks, offsets = (torch.tensor(c) for c in zip(*flat_slots, strict=True))
+    held[:, q_size : q_size + kv_size] = k_rows[:, blocks, offsets].transpose(0, 1).flatten(1)
+    held[:, q_size + kv_size :] = v_rows[:, blocks, offsets].transpose(0, 1).flatten(1)
+    scale = d**-0.5
+    got = attend(qkv, int8, tables, row_tables, seq_lens, heads, scale, window)
+    want = reference_attention(held, heads, lens, scale, window).float()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # the broken variant: the same attention over the rows as they came (not as stored)
+    exact = reference_attention(qkv, heads, lens, scale, window).float()
+    assert not torch.allclose(got, exact, rtol=1e-5, atol=1e-5)
+    for rows in ([0], [30], [64, 3, 40], list(range(20, 64, 5))):
+        part = attend(
+            qkv[rows], int8, tables, row_tables[rows], seq_lens[rows], heads, scale, window
+        )
+        assert torch.equal(part, got[rows]), rows
+
+
+def test_int8_caches_of_the_wrong_shape_are_refused():
+    heads = (2, 1, 8)
+    qkv, caches, tables, row_tables, seq_lens = requests_in_cache(heads, 4, [6])
+    k, v = int8_caches(caches, heads)
+    with pytest.raises(RuntimeError, match="int8 caches must be"):
+        attend(qkv, (k[..., :-1], v[..., :-1]), tables, row_tables, seq_lens, heads, 1.0, 0)
