@@ -1,19 +1,25 @@
 """Weight-only quantized weights and the layers that run them.
 
 A quantized weight holds integer codes q in [0, 2^bits) with, per GROUP = 32 inputs of a row, a
-scale d and an offset m: w = d q + m, the affine form every GGUF block type reduces to (Q4_0,
-Q4_1 and Q4_K at 4 bits; Q5_0, Q5_1, Q5_K and Q8_0 held exactly in 8-bit codes; others
-requantized to 8 bits by engine/models/gguf_blocks.py). d and m are float32: Q4_K's d x 6-bit
-sub-scales are exact there; the tandem kernel keeps them in float16 where all are exact in it.
+scale d and an offset m: w = d q + m, the affine form GGUF's block types reduce to (Q4_0, Q4_1
+and Q4_K in 4-bit codes; Q5_0, Q5_1 and Q5_K in 5-bit; Q8_0 in 8-bit; Q6_K in 6-bit codes with
+a scale s per 16 inputs, w = s (q - 32); others requantized to 8 bits by
+engine/models/gguf_blocks.py). d and m are float32 here, exact (every block's are float16, or
+for K-quants a float16 times a small integer: `SuperBlocks`). The tandem kernel holds them as
+the file does: float16, or a K-quant's float16 d (and dmin) per 256 inputs with its sub-scales
+(and mins) as bytes, forming d x sub-scale in float32 as it reads them (the same bits as a
+float32 table). Its codes: 4 bits two to a byte, 5 and 6 bits as that plus a plane per higher
+bit, 8 bits one to a byte.
 
 `QuantizedLinear` runs y = x W^T + b with the first of these that runs here:
 - "tandem": our C++ kernel (kernels/cpu/quant_matmul.cpp): activations quantized per 32 values
   to int8 (as llama.cpp does), exact integer dot products per group (AVX-512 VNNI, AVX-VNNI or
-  AVX2), 4- and 8-bit codes natively, float32 in and out, and one order of float steps for
+  AVX2), 4-, 5-, 6- and 8-bit codes natively, float32 in and out, and one order of float steps for
   every output element: a row's result is the same bits whatever rows share its call (decode,
   verification and prefill alike), on every instruction set.
 - "int4pack": torch's `_weight_int4pack_mm_for_cpu` (bf16 activations, bf16 scales and zeros,
-  4-bit codes; 8-bit codes as two nibble halves over the input written twice, see `halves`).
+  4-bit codes; wider codes as two nibble halves over the input written twice, see `halves`;
+  Q6_K requantized to 8 bits per 32, `affine`).
 - "dense": the weight dequantized in the model's dtype (CUDA, or CPUs where neither runs).
 `TANDEM_QUANT_KERNEL=tandem|int4pack|dense` forces one (tests run the same checks over each).
 Each backend's exact arithmetic is written out in `reference_matmul`, the oracle of its tests;
@@ -32,18 +38,65 @@ import torch.nn.functional as F
 from torch import nn
 
 GROUP = 32  # values per scale along the input dimension
+SUPER = 256  # values per K-quant super-block (its float16 d and dmin)
 TILE = 16  # output rows the tandem kernel interleaves (see _pack_tandem)
 BACKENDS = ("tandem", "int4pack", "dense")
 
 
 @dataclass
+class SuperBlocks:
+    """K-quant scales and offsets as the file holds them. Q4_K, Q5_K: per SUPER = 256 inputs of
+    a row a float16 d and dmin, per 32 a 6-bit scale sc and min mn (uint8): the group's scale
+    is d sc and its offset (-dmin) mn. Q6_K: per 256 a float16 d, per 16 a signed 8-bit sc
+    (int8, no mins): the scale s = d sc, and w = s (q - 32). Products exact in float32."""
+
+    d: torch.Tensor  # [N, K / SUPER] float16
+    scales: torch.Tensor  # [N, K / GROUP] uint8 in [0, 64); Q6_K: [N, K / 16] int8
+    neg_dmin: torch.Tensor | None  # [N, K / SUPER] float16: -dmin, so the offset is a product
+    mins: torch.Tensor | None  # [N, K / GROUP] uint8 in [0, 64)
+
+    def expand(self) -> tuple[torch.Tensor, torch.Tensor]:  # scales, offsets [N, K / group]
+        per = self.scales.shape[1] // self.d.shape[1]  # groups per super-block
+        scales = self.d.float().repeat_interleave(per, 1) * self.scales.float()
+        if self.mins is None:  # Q6_K: w = s (q - 32)
+            return scales, -32 * scales
+        return scales, self.neg_dmin.float().repeat_interleave(per, 1) * self.mins.float()
+
+    def map(self, fn) -> SuperBlocks:  # the same function of every field's [N, ...]
+        def apply(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else fn(t)
+
+        return SuperBlocks(*(apply(t) for t in (self.d, self.scales, self.neg_dmin, self.mins)))
+
+    @staticmethod
+    def cat_rows(parts: list[SuperBlocks]) -> SuperBlocks:
+        def cat(field: str) -> torch.Tensor | None:
+            tensors = [getattr(b, field) for b in parts]
+            return None if tensors[0] is None else torch.cat(tensors)
+
+        return SuperBlocks(cat("d"), cat("scales"), cat("neg_dmin"), cat("mins"))
+
+    def columns(self, start: int, end: int) -> SuperBlocks:  # inputs, multiples of SUPER
+        per = self.scales.shape[1] // self.d.shape[1]
+        a, b = start // SUPER, end // SUPER
+        d, scales = self.d[:, a:b], self.scales[:, a * per : b * per]
+        neg_dmin = None if self.mins is None else self.neg_dmin[:, a:b]
+        mins = None if self.mins is None else self.mins[:, a * per : b * per]
+        return SuperBlocks(d, scales, neg_dmin, mins).map(torch.Tensor.contiguous)
+
+
+@dataclass
 class QuantizedWeight:
-    """w[n, k] = codes[n, k] scales[n, g] + offsets[n, g], g = k // GROUP."""
+    """w[n, k] = codes[n, k] scales[n, g] + offsets[n, g], g = k // group: group = GROUP, or 16
+    for Q6_K, whose offsets are -32 scales (w = s (q - 32)) and which always has `blocks`.
+    K-quants carry `blocks`, the same scales and offsets in the file's own form (what the
+    tandem kernel holds)."""
 
     codes: torch.Tensor  # [N, K] uint8 in [0, 2^bits)
-    scales: torch.Tensor  # [N, K / GROUP] float32
-    offsets: torch.Tensor  # [N, K / GROUP] float32
-    bits: int  # 4 or 8: the width the codes are stored and multiplied at
+    scales: torch.Tensor  # [N, K / group] float32
+    offsets: torch.Tensor  # [N, K / group] float32
+    bits: int  # 4, 5, 6 or 8: the width the codes are stored at
+    blocks: SuperBlocks | None = None  # equal to scales and offsets where set
 
     @property
     def out_features(self) -> int:
@@ -52,6 +105,10 @@ class QuantizedWeight:
     @property
     def in_features(self) -> int:
         return self.codes.shape[1]
+
+    @property
+    def group(self) -> int:  # inputs per scale
+        return self.in_features // self.scales.shape[1]
 
     @classmethod
     def from_codes(
@@ -63,7 +120,15 @@ class QuantizedWeight:
     ) -> QuantizedWeight:
         if not 1 <= bits <= 8:
             raise ValueError(f"bits must be in [1, 8], got {bits}")
-        return cls(q.to(torch.uint8), scale.float(), offset.float(), 4 if bits <= 4 else 8)
+        width = 4 if bits <= 4 else bits if bits <= 6 else 8
+        return cls(q.to(torch.uint8), scale.float(), offset.float(), width)
+
+    @classmethod
+    def from_super_blocks(cls, q: torch.Tensor, blocks: SuperBlocks, bits: int) -> QuantizedWeight:
+        """K-quant codes q [N, K] with their file's scales (SuperBlocks)."""
+        weight = cls.from_codes(q, *blocks.expand(), bits)
+        weight.blocks = blocks
+        return weight
 
     @classmethod
     def quantize(cls, w: torch.Tensor, bits: int) -> QuantizedWeight:
@@ -78,43 +143,63 @@ class QuantizedWeight:
         q = ((groups - low[..., None]) / scale[..., None]).round_().clamp_(0, 2**bits - 1)
         return cls.from_codes(q.reshape(n, k), scale, low, bits)
 
-    def widened(self) -> QuantizedWeight:
-        """The same weight in 8-bit codes, to share a matrix with 8-bit rows."""
-        return QuantizedWeight(self.codes, self.scales, self.offsets, 8)
+    def widened(self, bits: int) -> QuantizedWeight:
+        """The same weight in wider codes, to share a matrix with such rows."""
+        return QuantizedWeight(self.codes, self.scales, self.offsets, bits, self.blocks)
 
     def columns(self, start: int, end: int) -> QuantizedWeight:
-        """Inputs [start, end) of every row (whole groups: both multiples of GROUP)."""
+        """Inputs [start, end) of every row (whole groups: both multiples of GROUP); the file's
+        super-blocks kept where whole ones are taken (Q6_K's requantized where not)."""
         if start % GROUP or end % GROUP:
             raise ValueError(f"columns {start}:{end} split a group of {GROUP} inputs")
-        groups = slice(start // GROUP, end // GROUP)
+        whole = self.blocks is not None and start % SUPER == 0 and end % SUPER == 0
+        if self.group != GROUP and not whole:
+            return self.affine().columns(start, end)
+        groups = slice(start // self.group, end // self.group)
+        blocks = self.blocks.columns(start, end) if whole else None
         return QuantizedWeight(
             self.codes[:, start:end].contiguous(),
             self.scales[:, groups].contiguous(),
             self.offsets[:, groups].contiguous(),
             self.bits,
+            blocks,
         )
 
     @staticmethod
     def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
-        """Stack output rows (fused q/k/v, gate/up); mixed widths widen to 8 bits."""
+        """Stack output rows (fused q/k/v, gate/up); mixed widths widen to the widest; the
+        file's super-blocks kept where every part has them."""
+        if len({p.group for p in parts}) > 1:
+            parts = [p.affine() for p in parts]
         bits = max(p.bits for p in parts)
-        parts = [p if p.bits == bits else p.widened() for p in parts]
+        parts = [p if p.bits == bits else p.widened(bits) for p in parts]
+        blocks = None
+        if all(p.blocks is not None for p in parts):
+            blocks = SuperBlocks.cat_rows([p.blocks for p in parts])
         return QuantizedWeight(
             torch.cat([p.codes for p in parts]),
             torch.cat([p.scales for p in parts]),
             torch.cat([p.offsets for p in parts]),
             bits,
+            blocks,
         )
 
     def rows(self, index: torch.Tensor) -> QuantizedWeight:
+        blocks = None if self.blocks is None else self.blocks.map(lambda t: t[index])
         return QuantizedWeight(
-            self.codes[index], self.scales[index], self.offsets[index], self.bits
+            self.codes[index], self.scales[index], self.offsets[index], self.bits, blocks
         )
 
     def dequantize(self) -> torch.Tensor:  # [N, K] float32
         n, k = self.codes.shape
-        codes = self.codes.reshape(n, k // GROUP, GROUP).float()
+        codes = self.codes.reshape(n, k // self.group, self.group).float()
         return (codes * self.scales[..., None] + self.offsets[..., None]).reshape(n, k)
+
+    def affine(self) -> QuantizedWeight:
+        """The weight with a scale and offset per GROUP: itself, or (Q6_K, 16 values a scale)
+        requantized to 8 bits, within a 510th of each group's range (for torch's int4 kernel,
+        stacking with other types, slices that split a super-block)."""
+        return self if self.group == GROUP else QuantizedWeight.quantize(self.dequantize(), 8)
 
     def halves(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """torch's int4 kernel's form: 4-bit codes c with w = (c - 8) s + z per group. 8-bit
@@ -185,7 +270,7 @@ def reference_matmul(x: torch.Tensor, weight: QuantizedWeight, backend: str) -> 
     if backend == "tandem":
         return _reference_tandem(x, weight)
     if backend == "int4pack":  # bf16 inputs and parameters, float32 sums, a bf16 result
-        codes, scales, zeros = weight.halves()  # [N, K h], [N, K h / GROUP]
+        codes, scales, zeros = weight.affine().halves()  # [N, K h], [N, K h / GROUP]
         n = codes.shape[0]
         c = codes.float().reshape(n, -1, GROUP) - 8
         s, z = scales.bfloat16().float(), zeros.bfloat16().float()
@@ -197,25 +282,35 @@ def reference_matmul(x: torch.Tensor, weight: QuantizedWeight, backend: str) -> 
 def _reference_tandem(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:  # [M, N]
     """The kernel's order for each output: acc = fma(float(D), d dx, acc), then
     acc = fma(m, sx, acc), group after group, D the exact integer dot product of the group's
-    codes and activation codes. fma emulated in long double (64-bit mantissas: a float32
-    product is exact there, so only a sum's rounding twice could differ, a 2^-40 chance)."""
+    codes and activation codes. Q6_K (w = s (q - 32), a scale per 16): for each half of a
+    group acc = fma(float(D - 32 S), s dx, acc), S the half's sum of activation codes (an
+    exact integer). fma emulated in long double (64-bit mantissas: a float32 product is exact
+    there, so only a sum's rounding twice could differ, a 2^-40 chance)."""
     p, dx = quantize_activations(x)  # [M, K], [M, G]
     m, k = p.shape
-    p = p.reshape(m, k // GROUP, GROUP)
-    codes = weight.codes.double().reshape(-1, k // GROUP, GROUP)
-    dots = torch.einsum("ngk,mgk->mgn", codes, p.double()).float()  # [M, G, N] exact
-    sx = dx * p.sum(-1)  # [M, G] float32, as the kernel's dx * float(sum p)
-    scale = weight.scales.t()[None] * dx[..., None]  # [M, G, N] float32 products
-    offset = weight.offsets.t()[None].expand_as(scale)
+    n, per = weight.out_features, GROUP // weight.group  # scales per group: 1, or Q6_K's 2
+    p = p.reshape(m, k // GROUP, per, weight.group).double()
+    codes = weight.codes.double().reshape(n, k // GROUP, per, weight.group)
+    dots = torch.einsum("nghk,mghk->mghn", codes, p)  # [M, G, per, N] exact
+    scale = weight.scales.reshape(n, -1, per).permute(1, 2, 0)[None] * dx[..., None, None]
 
     def fma(a: torch.Tensor, b: torch.Tensor, c: np.ndarray) -> np.ndarray:
         wide = np.longdouble
         return (a.numpy().astype(wide) * b.numpy().astype(wide) + c).astype(np.float32)
 
-    acc = np.zeros((m, weight.out_features), np.float32)
+    acc = np.zeros((m, n), np.float32)
+    if per == 2:
+        assert torch.equal(weight.offsets, -32 * weight.scales), "group 16 is Q6_K's form"
+        dots = (dots - 32 * p.sum(-1)[..., None]).float()  # [M, G, 2, N] exact integers
+        for g in range(k // GROUP):
+            acc = fma(dots[:, g, 0], scale[:, g, 0], acc)
+            acc = fma(dots[:, g, 1], scale[:, g, 1], acc)
+        return torch.from_numpy(acc)
+    sx = dx * p.sum(-1)[:, :, 0].float()  # [M, G] float32, as the kernel's dx * float(sum p)
+    offset = weight.offsets.t()[None].expand(m, -1, -1)  # [M, G, N]
     for g in range(k // GROUP):
-        acc = fma(dots[:, g], scale[:, g], acc)
-        acc = fma(offset[:, g], sx[:, g, None].expand(m, weight.out_features), acc)
+        acc = fma(dots[:, g, 0].float(), scale[:, g, 0], acc)
+        acc = fma(offset[:, g], sx[:, g, None].expand(m, n), acc)
     return torch.from_numpy(acc)
 
 
@@ -239,7 +334,7 @@ class QuantizedLinear(nn.Module):
         if self.backend == "tandem":
             self.codes, self.scales, self.offsets = _pack_tandem(weight)
         elif self.backend == "int4pack":
-            codes, scales, zeros = weight.halves()
+            codes, scales, zeros = weight.affine().halves()
             self.halves = codes.shape[1] // weight.in_features
             self.packed = _pack_int4(codes)  # [N, K h / 2] the kernel's layout
             params = torch.stack([scales, zeros], dim=-1)  # [N, G h, 2]
@@ -269,23 +364,49 @@ def _pack_tandem(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, t
     """The tandem kernel's layout (kernels/cpu/quant_matmul.cpp): output rows in tiles of TILE
     (zero rows pad the last), each tile's group a unit of 64-byte chunks, chunk c holding row
     j's codes for inputs 4c..4c+3 at bytes 4j..4j+3 (8 chunks; 4-bit codes: chunk c in the low
-    nibbles of 4 chunks, chunk c + 4 in the high ones). Returns codes [T, G, unit bytes] and
-    scales and offsets [T, G, TILE]."""
+    nibbles of 4 chunks, chunk c + 4 in the high ones; 5- and 6-bit codes: their low 4 bits so,
+    then a 64-byte plane per higher bit, chunk c's byte b at bit b of the plane's word c).
+    Returns codes [T, G, unit bytes] and scales and offsets: [T, G, TILE] float16 where every
+    value is exact in it, else float32; a K-quant's in its file's form, uint8 [T, K / 256, B]:
+    per tile and super-block the 16 rows' float16 d (Q4_K, Q5_K: -dmin for the offsets), then
+    its sub-blocks' 16 bytes each, 6-bit scales (mins) or Q6_K's 16 int8 scales (B = 160 or
+    288; Q6_K's offsets are -32 s, not stored: the same tensor is passed twice)."""
+    assert weight.group == GROUP or weight.blocks is not None, "Q6_K keeps its super-blocks"
     n, k = weight.codes.shape
     tiles, groups = -(-n // TILE), k // GROUP
     rows = tiles * TILE
     codes = F.pad(weight.codes, (0, 0, 0, rows - n)).reshape(tiles, TILE, groups, 8, 4)
     chunks = codes.permute(0, 2, 3, 1, 4).reshape(tiles, groups, 8, 4 * TILE)
-    if weight.bits == 4:
-        chunks = chunks[:, :, :4] | (chunks[:, :, 4:] << 4)
+    if weight.bits == 8:
+        parts = [chunks]
+    else:
+        low = chunks & 15
+        parts = [low[:, :, :4] | (low[:, :, 4:] << 4)]
+        for bit in range(4, weight.bits):  # 5 and 6 bits: a plane per higher bit
+            plane = ((chunks >> bit) & 1).reshape(tiles, groups, 8, 8, 8)  # chunk, byte, bit
+            word = plane[..., 0].clone()
+            for i in range(1, 8):
+                word |= plane[..., i] << i
+            parts.append(word)
+    packed = torch.cat([t.reshape(tiles, groups, -1) for t in parts], -1).contiguous()
 
     def by_tile(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [T, G, TILE]
-        return F.pad(t, (0, 0, 0, rows - n)).reshape(tiles, TILE, groups).transpose(1, 2)
+        return F.pad(t, (0, 0, 0, rows - n)).reshape(tiles, TILE, t.shape[1]).transpose(1, 2)
 
+    if weight.blocks is not None:
+        b, supers = weight.blocks, k // SUPER
+
+        def super_blocks(d: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
+            head = by_tile(d).contiguous().view(torch.uint8)  # [T, S, 2 TILE]
+            sub = by_tile(sub.view(torch.uint8)).reshape(tiles, supers, -1)
+            return torch.cat([head, sub], -1).contiguous()
+
+        scales = super_blocks(b.d, b.scales)
+        offsets = scales if b.mins is None else super_blocks(b.neg_dmin, b.mins)
+        return packed, scales, offsets
     params = [by_tile(weight.scales), by_tile(weight.offsets)]
     if all(torch.equal(p.half().float(), p) for p in params):  # the file's own float16
         params = [p.half() for p in params]
-    packed = chunks.reshape(tiles, groups, -1).contiguous()
     return packed, params[0].contiguous(), params[1].contiguous()
 
 

@@ -1,5 +1,5 @@
-// Weight-only quantized matmul on CPU: y = x W^T + b with W in 4- or 8-bit codes, one numerics
-// for every row whatever else shares the call (decode, verification and prefill alike).
+// Weight-only quantized matmul on CPU: y = x W^T + b with W in 4-, 5-, 6- or 8-bit codes, one
+// numerics for every row whatever else shares the call (decode, verification and prefill alike).
 //
 // Weights: per output row n, groups g of G = 32 inputs share a scale d and an offset m, and
 // w = d q + m with q the code (the affine form of GGUF's Q4_0/Q4_1/Q4_K/Q5_x/Q8_0 blocks).
@@ -9,10 +9,13 @@
 // and every output element is evaluated in exactly this order, in float32:
 //     acc = 0;  for g in order:  acc = fma(float(D), d * dx, acc);  acc = fma(m, sx, acc)
 //     y = acc (+ b)
-// The integer D is exact on every instruction set (VNNI's u8 x s8 dot product, or AVX2's
-// maddubs + madd, 8-bit codes split in two nibbles so no i16 pair saturates), and the float
-// steps are the same instructions, so a row's result does not depend on how many rows share
-// the call, how they are tiled, which thread runs them, or which of the three paths built it.
+// Q6_K has a scale s per 16 inputs and w = s (q - 32): each half h of a group takes
+//     acc = fma(float(D_h - 32 S_h), s_h * dx, acc),   S_h = sum_{i in h} p_i
+// (D_h - 32 S_h an exact integer). The integers are exact on every instruction set (VNNI's
+// u8 x s8 dot product, or AVX2's maddubs + madd: codes up to 6 bits keep each i16 pair below
+// 2^15, 8-bit codes are split in two nibbles), and the float steps are the same instructions,
+// so a row's result does not depend on how many rows share the call, how they are tiled,
+// which thread runs them, or which of the three paths built it.
 //
 // Layout (built by engine/models/quantized.py `_pack_tandem`): output rows in tiles of 16 (N
 // padded with zero rows), inputs in groups of 32 (K padded with zero groups). One tile's group
@@ -20,11 +23,16 @@
 // 4j..4j+3, so one VNNI instruction against the activation's four bytes broadcast gives all 16
 // rows' partial sums, and eight of them the group's D for the whole tile, with no horizontal
 // sums. 8 bits: 8 chunks (512 bytes); 4 bits: 4 chunks (256 bytes), chunk c in the low nibbles
-// and chunk c + 4 in the high ones. d, m: [N / 16, G, 16], float16 where every value is exact
-// in it (the file's own for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), else float32 (K-quants' products of
-// a float16 and a 6-bit scale): widened on load to the same float32 either way, so the choice
-// never changes a result. 256-bit paths take a tile as two halves of 8 rows (the first 32
-// bytes of each chunk, then the last 32).
+// and chunk c + 4 in the high ones; 5 and 6 bits (Q5_x, Q6_K): the low 4 bits so, then a
+// 64-byte plane per higher bit, eight 64-bit words, word c's bit b belonging to chunk c's byte
+// b (the codes are the same integers however they are stored, so D is too). d, m: see Params
+// (quant_matmul.h): float32 or float16 tables (float16 where every value is exact in it: the
+// file's own for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), or a K-quant's super-blocks as its file holds
+// them, float16 d per 256 inputs and 6-bit (Q6_K: int8) sub-scales, the kernel forming
+// float(d) * float(sub-scale) as it reads them, a product exact in float32. Every form gives
+// the same float32 d and m that a float32 table of them would, so the choice never changes a
+// result. 256-bit paths take a tile as two halves of 8 rows (the first 32 bytes of each chunk,
+// then the last 32).
 #include "quant_matmul.h"
 
 #include <ATen/Parallel.h>
@@ -33,21 +41,25 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
+#include "quant_layout.h"
 #include "simd.h"
 
 namespace tandem {
 namespace {
 
-constexpr int64_t G = 32;
-constexpr int64_t kTile = 16;  // output rows per tile
+using namespace layout;
+
 constexpr int64_t kMaxRowTile = 8;  // activation rows that share a tile's unpacked codes
 
 #if TANDEM_HAVE_KERNEL
-// One group of 32 floats (n of them real, the rest zero) -> 32 int8 codes p, dx, dx * sum(p).
-// Round half to even (the default MXCSR mode), as torch.round in the Python reference.
-inline void quantize_group(const float* x, int n, int8_t* p, float* dx, float* sx) {
+// One group of 32 floats (n of them real, the rest zero) -> 32 int8 codes p, dx, dx * sum(p),
+// and the sums of p over each half (Q6_K's). Round half to even (the default MXCSR mode), as
+// torch.round in the Python reference.
+inline void quantize_group(const float* x, int n, int8_t* p, float* dx, float* sx,
+                           int32_t* halves) {
   alignas(32) float buf[G];
   for (int i = 0; i < G; ++i) buf[i] = i < n ? x[i] : 0.0f;
   const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -77,12 +89,15 @@ inline void quantize_group(const float* x, int n, int8_t* p, float* dx, float* s
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bytes);
   *dx = d;
   *sx = d * static_cast<float>(hsum_i32(total));
+  halves[0] = hsum_i32(_mm256_add_epi32(q[0], q[1]));
+  halves[1] = hsum_i32(_mm256_add_epi32(q[2], q[3]));
 }
 
 struct Activations {
   const int8_t* p;   // [M, Kp]
   const float* dx;   // [M, Kp / G]
   const float* sx;   // [M, Kp / G]
+  const int32_t* halves;  // [M, Kp / 16]: sum(p) over each 16
   int64_t kp;
 };
 
@@ -92,49 +107,52 @@ inline int32_t word(const int8_t* p) {  // four activation codes as one int32 (t
   return v;
 }
 
-// 16 (or 8) scales or offsets as float32, from float32 or float16 (exact either way).
-#if TANDEM_AVX512
-template <typename S>
-inline __m512 load16(const S* p) {
-  if constexpr (sizeof(S) == 2) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  } else {
-    return _mm512_loadu_ps(p);
-  }
-}
-#endif
-template <typename S>
-inline __m256 load8(const S* p) {
-  if constexpr (sizeof(S) == 2) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  } else {
-    return _mm256_loadu_ps(p);
-  }
-}
-
 #if TANDEM_AVX512
 // MT activation rows against one 16-row tile: acc[t] holds row first + t's 16 outputs.
 template <int BITS, int MT, typename S>
-inline void tile(const uint8_t* w, const S* d, const S* m, const Activations& a,
+inline void tile(const uint8_t* w, const uint8_t* d, const uint8_t* m, const Activations& a,
                  int64_t first, float* y, int64_t ldy, int64_t width, const float* bias) {
   const int64_t groups = a.kp / G;
-  constexpr int64_t unit = BITS == 4 ? 256 : 512;
+  constexpr int64_t unit = unit_bytes(BITS);
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[MT];
   for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* u = w + g * unit;
     __m512i chunk[8];
-    for (int c = 0; c < (BITS == 4 ? 4 : 8); ++c) {
+    for (int c = 0; c < (BITS == 8 ? 8 : 4); ++c) {
       const __m512i v = _mm512_loadu_si512(u + 64 * c);
-      if constexpr (BITS == 4) {
+      if constexpr (BITS == 8) {
+        chunk[c] = v;
+      } else {
         chunk[c] = _mm512_and_si512(v, low);
         chunk[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      } else {
-        chunk[c] = v;
       }
     }
-    const __m512 dg = load16(d + g * kTile), mg = load16(m + g * kTile);
+    for (int b = 4; b < (BITS == 8 ? 4 : BITS); ++b) {  // plane b: word c's bit i is byte i's
+      const __m512i value = _mm512_set1_epi8(static_cast<char>(1 << b));
+      for (int c = 0; c < 8; ++c) {
+        uint64_t bits;
+        std::memcpy(&bits, u + 256 + 64 * (b - 4) + 8 * c, 8);
+        chunk[c] = _mm512_mask_add_epi8(chunk[c], _cvtu64_mask64(bits), chunk[c], value);
+      }
+    }
+    if constexpr (std::is_same_v<S, Q6>) {  // each half: acc = fma(D - 32 S, s dx, acc)
+      const __m512 s0 = q6_scales16(d, g, 0), s1 = q6_scales16(d, g, 1);
+      for (int t = 0; t < MT; ++t) {
+        const int64_t r = first + t;
+        const int8_t* p = a.p + r * a.kp + g * G;
+        const int32_t* sums = a.halves + (r * groups + g) * 2;
+        __m512i lo = _mm512_set1_epi32(-32 * sums[0]), hi = _mm512_set1_epi32(-32 * sums[1]);
+        for (int c = 0; c < 4; ++c) lo = dpbusd512(lo, chunk[c], _mm512_set1_epi32(word(p + 4 * c)));
+        for (int c = 4; c < 8; ++c) hi = dpbusd512(hi, chunk[c], _mm512_set1_epi32(word(p + 4 * c)));
+        const __m512 dx = _mm512_set1_ps(a.dx[r * groups + g]);
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(s0, dx), acc[t]);
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(s1, dx), acc[t]);
+      }
+      continue;
+    }
+    const __m512 dg = params16<S>(d, g), mg = params16<S>(m, g);
     for (int t = 0; t < MT; ++t) {
       const int64_t r = first + t;
       const int8_t* p = a.p + r * a.kp + g * G;
@@ -155,10 +173,10 @@ inline void tile(const uint8_t* w, const S* d, const S* m, const Activations& a,
 #else
 // 256 bits: the tile as two halves of 8 rows, each the same steps as the 512-bit path's lanes.
 template <int BITS, int MT, typename S>
-inline void tile(const uint8_t* w, const S* d, const S* m, const Activations& a,
+inline void tile(const uint8_t* w, const uint8_t* d, const uint8_t* m, const Activations& a,
                  int64_t first, float* y, int64_t ldy, int64_t width, const float* bias) {
   const int64_t groups = a.kp / G;
-  constexpr int64_t unit = BITS == 4 ? 256 : 512;
+  constexpr int64_t unit = unit_bytes(BITS);
   const __m256i low = _mm256_set1_epi8(0x0F);
   for (int half = 0; half < 2 && 8 * half < width; ++half) {
     __m256 acc[MT];
@@ -166,17 +184,40 @@ inline void tile(const uint8_t* w, const S* d, const S* m, const Activations& a,
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* u = w + g * unit + 32 * half;
       __m256i chunk[8];
-      for (int c = 0; c < (BITS == 4 ? 4 : 8); ++c) {
+      for (int c = 0; c < (BITS == 8 ? 8 : 4); ++c) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 64 * c));
-        if constexpr (BITS == 4) {
+        if constexpr (BITS == 8) {
+          chunk[c] = v;
+        } else {
           chunk[c] = _mm256_and_si256(v, low);
           chunk[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        } else {
-          chunk[c] = v;
         }
       }
-      const __m256 dg = load8(d + g * kTile + 8 * half);
-      const __m256 mg = load8(m + g * kTile + 8 * half);
+      for (int b = 4; b < (BITS == 8 ? 4 : BITS); ++b) {  // this half's 32 bits of word c
+        for (int c = 0; c < 8; ++c) {
+          uint32_t bits;
+          std::memcpy(&bits, w + g * unit + 256 + 64 * (b - 4) + 8 * c + 4 * half, 4);
+          chunk[c] = _mm256_or_si256(chunk[c], plane_bytes(bits, static_cast<char>(1 << b)));
+        }
+      }
+      if constexpr (std::is_same_v<S, Q6>) {  // as the 512-bit path
+        const __m256 s0 = q6_scales8(d, g, 0, half), s1 = q6_scales8(d, g, 1, half);
+        for (int t = 0; t < MT; ++t) {
+          const int64_t r = first + t;
+          const int8_t* p = a.p + r * a.kp + g * G;
+          const int32_t* sums = a.halves + (r * groups + g) * 2;
+          __m256i lo = _mm256_set1_epi32(-32 * sums[0]), hi = _mm256_set1_epi32(-32 * sums[1]);
+          for (int c = 0; c < 4; ++c) {
+            lo = dot_add<BITS>(lo, chunk[c], _mm256_set1_epi32(word(p + 4 * c)));
+            hi = dot_add<BITS>(hi, chunk[c + 4], _mm256_set1_epi32(word(p + 4 * c + 16)));
+          }
+          const __m256 dx = _mm256_set1_ps(a.dx[r * groups + g]);
+          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(s0, dx), acc[t]);
+          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(s1, dx), acc[t]);
+        }
+        continue;
+      }
+      const __m256 dg = params8<S>(d, g, half), mg = params8<S>(m, g, half);
       for (int t = 0; t < MT; ++t) {
         const int64_t r = first + t;
         const int8_t* p = a.p + r * a.kp + g * G;
@@ -204,13 +245,13 @@ template <int BITS, typename S>
 void matmul(const QuantizedMatrix& w, const Activations& a, int64_t num_rows, float* y,
             int64_t ldy) {
   const int64_t groups = a.kp / G;
-  const int64_t tile_bytes = groups * (BITS == 4 ? 256 : 512);
+  const int64_t tile_bytes = groups * unit_bytes(BITS);
   const int64_t num_tiles = (w.rows + kTile - 1) / kTile;
   at::parallel_for(0, num_tiles, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t i = t0; i < t1; ++i) {
       const uint8_t* codes = w.codes + i * tile_bytes;
-      const S* d = static_cast<const S*>(w.d) + i * groups * kTile;
-      const S* m = static_cast<const S*>(w.m) + i * groups * kTile;
+      const uint8_t* d = static_cast<const uint8_t*>(w.d) + i * tile_param_bytes<S>(groups);
+      const uint8_t* m = static_cast<const uint8_t*>(w.m) + i * tile_param_bytes<S>(groups);
       const int64_t width = std::min(kTile, w.rows - i * kTile);
       const float* bias = w.bias ? w.bias + i * kTile : nullptr;
       float* out = y + i * kTile;
@@ -231,27 +272,45 @@ void matmul(const QuantizedMatrix& w, const Activations& a, int64_t num_rows, fl
     }
   });
 }
+
+template <typename S>
+void matmul_bits(const QuantizedMatrix& w, const Activations& a, int64_t num_rows, float* y,
+                 int64_t ldy) {
+  switch (w.bits) {
+    case 4: matmul<4, S>(w, a, num_rows, y, ldy); break;
+    case 5: matmul<5, S>(w, a, num_rows, y, ldy); break;
+    case 6: matmul<6, S>(w, a, num_rows, y, ldy); break;
+    default: matmul<8, S>(w, a, num_rows, y, ldy); break;
+  }
+}
 #endif
 
 }  // namespace
 
 QuantizedMatrix matrix(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
                        int64_t bits, int64_t rows, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(bits == 4 || bits == 8, "tandem_cpu: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8,
+              "tandem_cpu: bits must be 4, 5, 6 or 8, got ", bits);
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 3,
               "tandem_cpu: codes must be contiguous uint8 [N / 16, G, unit bytes]");
   const int64_t tiles = codes.size(0), groups = codes.size(1);
-  TORCH_CHECK(codes.size(2) == (bits == 4 ? 256 : 512) && rows > (tiles - 1) * kTile &&
+  TORCH_CHECK(codes.size(2) == unit_bytes(bits) && rows > (tiles - 1) * kTile &&
                   rows <= tiles * kTile,
               "tandem_cpu: codes ", codes.sizes(), " do not hold ", rows, " rows of ", bits,
               "-bit codes");
-  const bool half = d.scalar_type() == at::kHalf;
+  const at::ScalarType type = d.scalar_type();
+  const bool blocks = type == at::kByte;  // K-quant super-blocks: 160 bytes, Q6_K's 288
+  const bool q6 = blocks && d.dim() == 3 && d.size(2) == kQ6Bytes;
+  const int64_t block_bytes = q6 ? kQ6Bytes : kSuperBytes;
+  const int64_t numel =
+      blocks ? tiles * groups / kSuperGroups * block_bytes : tiles * groups * kTile;
   for (const at::Tensor* t : {&d, &m}) {
-    TORCH_CHECK((t->scalar_type() == at::kFloat || t->scalar_type() == at::kHalf) &&
-                    t->scalar_type() == d.scalar_type() && t->is_contiguous() &&
-                    t->numel() == tiles * groups * kTile,
-                "tandem_cpu: scales and offsets must be contiguous float32 or float16 (both "
-                "alike) [N / 16, G, 16]");
+    TORCH_CHECK((type == at::kFloat || type == at::kHalf || blocks) &&
+                    t->scalar_type() == type && t->is_contiguous() && t->numel() == numel &&
+                    (!blocks || groups % kSuperGroups == 0) && (!q6 || bits == 6),
+                "tandem_cpu: scales and offsets must be contiguous, both float32 or float16 "
+                "[N / 16, G, 16] or uint8 super-blocks [N / 16, G / 8, 160] (Q6_K: 288 with "
+                "6-bit codes)");
   }
   const float* b = nullptr;
   if (bias.has_value()) {
@@ -260,8 +319,12 @@ QuantizedMatrix matrix(const at::Tensor& codes, const at::Tensor& d, const at::T
                 "tandem_cpu: bias must be contiguous float32 [N]");
     b = bias->data_ptr<float>();
   }
+  const Params params = q6       ? Params::kQ6
+                        : blocks ? Params::kSuper
+                        : type == at::kHalf ? Params::kHalf
+                                            : Params::kFloat;
   return {codes.data_ptr<uint8_t>(), d.data_ptr(), m.data_ptr(), b, rows, groups * G,
-          static_cast<int>(bits), half};
+          static_cast<int>(bits), params};
 }
 
 void linear(const QuantizedMatrix& w, const float* x, int64_t num_rows, int64_t k, float* y,
@@ -274,27 +337,29 @@ void linear(const QuantizedMatrix& w, const float* x, int64_t num_rows, int64_t 
   // (thread_local: the worker threads below must use these pointers, not their own buffers)
   thread_local std::vector<int8_t> codes;
   thread_local std::vector<float> scales;
+  thread_local std::vector<int32_t> sums;
   codes.resize(num_rows * w.kp);
   scales.resize(2 * num_rows * groups);
+  sums.resize(2 * num_rows * groups);
   int8_t* p = codes.data();
   float* dx = scales.data();
   float* sx = dx + num_rows * groups;
+  int32_t* halves = sums.data();
   at::parallel_for(0, num_rows, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t g = 0; g < groups; ++g) {
         const int n = static_cast<int>(std::clamp<int64_t>(k - g * G, 0, G));
         quantize_group(x + r * k + g * G, n, p + r * w.kp + g * G, dx + r * groups + g,
-                       sx + r * groups + g);
+                       sx + r * groups + g, halves + (r * groups + g) * 2);
       }
     }
   });
-  const Activations a{p, dx, sx, w.kp};
-  if (w.half) {
-    w.bits == 4 ? matmul<4, uint16_t>(w, a, num_rows, y, ldy)
-                : matmul<8, uint16_t>(w, a, num_rows, y, ldy);
-  } else {
-    w.bits == 4 ? matmul<4, float>(w, a, num_rows, y, ldy)
-                : matmul<8, float>(w, a, num_rows, y, ldy);
+  const Activations a{p, dx, sx, halves, w.kp};
+  switch (w.params) {
+    case Params::kFloat: matmul_bits<float>(w, a, num_rows, y, ldy); break;
+    case Params::kHalf: matmul_bits<uint16_t>(w, a, num_rows, y, ldy); break;
+    case Params::kSuper: matmul_bits<Super>(w, a, num_rows, y, ldy); break;
+    case Params::kQ6: matmul<6, Q6>(w, a, num_rows, y, ldy); break;
   }
 #else
   TORCH_CHECK(false, "tandem_cpu: built without AVX2 and FMA");
@@ -333,20 +398,37 @@ at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& d, const a
   }
   at::Tensor out = at::empty({index.numel(), k}, d.options().dtype(at::kFloat));
   float* o = out.data_ptr<float>();
-  const int64_t groups = w.kp / G, unit = bits == 4 ? 256 : 512;
-  auto param = [&](const void* p, int64_t i) {
-    return w.half ? _cvtsh_ss(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+  const int64_t groups = w.kp / G, unit = unit_bytes(bits);
+  // row `lane` of tile `tile`, input i of group g: the kernel's float32 d (or m), formed alike
+  auto param = [&](const void* p, int64_t tile, int64_t g, int64_t lane, int64_t i) {
+    if (w.params == Params::kSuper || w.params == Params::kQ6) {
+      const bool q6 = w.params == Params::kQ6;
+      const uint8_t* block = static_cast<const uint8_t*>(p) +
+                             (tile * groups + g) / kSuperGroups * (q6 ? kQ6Bytes : kSuperBytes);
+      uint16_t half;
+      std::memcpy(&half, block + 2 * lane, 2);
+      const int64_t sub = q6 ? 2 * (g % kSuperGroups) + i / 16 : g % kSuperGroups;
+      const uint8_t byte = block[2 * kTile + sub * kTile + lane];
+      return _cvtsh_ss(half) * (q6 ? static_cast<float>(static_cast<int8_t>(byte))
+                                   : static_cast<float>(byte));
+    }
+    const int64_t at = (tile * groups + g) * kTile + lane;
+    return w.params == Params::kHalf ? _cvtsh_ss(static_cast<const uint16_t*>(p)[at])
+                                     : static_cast<const float*>(p)[at];
   };
   at::parallel_for(0, index.numel(), 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t tile = ids[r] / kTile, lane = ids[r] % kTile;
       for (int64_t g = 0; g < groups; ++g) {
-        const int64_t at = (tile * groups + g) * kTile + lane;
-        const float scale = param(w.d, at), offset = param(w.m, at);
         const uint8_t* u = w.codes + (tile * groups + g) * unit;
         for (int64_t i = 0; i < G && g * G + i < k; ++i) {
           const int64_t c = i / 4, b = 4 * lane + i % 4;  // chunk, byte within it
-          const int q = bits == 8 ? u[64 * c + b] : (u[64 * (c % 4) + b] >> (4 * (c / 4))) & 15;
+          int q = bits == 8 ? u[64 * c + b] : (u[64 * (c % 4) + b] >> (4 * (c / 4))) & 15;
+          for (int64_t bit = 4; bit < (bits == 8 ? 4 : bits); ++bit) {
+            q |= ((u[256 + 64 * (bit - 4) + 8 * c + b / 8] >> (b % 8)) & 1) << bit;
+          }
+          const float scale = param(w.d, tile, g, lane, i);
+          const float offset = w.params == Params::kQ6 ? -32.0f * scale : param(w.m, tile, g, lane, i);
           o[r * k + g * G + i] = static_cast<float>(q) * scale + offset;
         }
       }

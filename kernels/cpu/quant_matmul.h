@@ -8,15 +8,25 @@
 
 namespace tandem {
 
+// How a matrix holds its scales d and offsets m (both alike).
+enum class Params : int {
+  kFloat,  // [rows / 16, kp / 32, 16] float32
+  kHalf,   // the same, float16
+  kSuper,  // K-quants: [rows / 16, kp / 256, 160] uint8, per tile and super-block the 16 rows'
+           // float16 d (or -dmin), then 8 groups x 16 rows of 6-bit sub-scales (or mins)
+  kQ6,     // Q6_K: [rows / 16, kp / 256, 288] uint8, the 16 rows' float16 d, then 16 sub-blocks
+           // of 16 inputs x 16 rows of int8 scales; w = d sc (q - 32), m unused
+};
+
 struct QuantizedMatrix {
   const uint8_t* codes;  // [rows / 16 tiles, kp / 32 groups, 256 (4 bits) or 512 (8 bits)]
-  const void* d;         // [rows / 16, kp / 32, 16] float32, or float16 where `half`
-  const void* m;         // [rows / 16, kp / 32, 16], as d
+  const void* d;         // scales, laid out as `params` says
+  const void* m;         // offsets, as d
   const float* bias;     // [rows] or null
   int64_t rows;
   int64_t kp;  // inputs, padded to a multiple of 32
   int bits;
-  bool half;
+  Params params;
 };
 
 // Checks the tensors' shapes and types and views them (no copy).

@@ -31,12 +31,12 @@ inline __m256i dot_add(__m256i acc, __m256i w, __m256i p) {  // 8 lanes += 4 pro
 }
 #else
 constexpr const char* kIsa = "avx2";
-// maddubs adds pairs of u8 x s8 products in int16, saturating past 2^15: 4-bit codes stay far
-// below it (2 * 15 * 127); 8-bit codes q = 16 hi + lo are taken as their two nibbles.
+// maddubs adds pairs of u8 x s8 products in int16, saturating past 2^15: codes of up to 6
+// bits stay below it (2 * 63 * 127); 8-bit codes q = 16 hi + lo are taken as their two nibbles.
 template <int BITS>
 inline __m256i dot_add(__m256i acc, __m256i w, __m256i p) {
   const __m256i ones = _mm256_set1_epi16(1);
-  if constexpr (BITS == 4) {
+  if constexpr (BITS <= 6) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, p), ones));
   } else {
     const __m256i low = _mm256_set1_epi8(0x0F);

@@ -4,17 +4,16 @@ the GGUF loader against transformers' dequantized checkpoint, and the quality ru
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
-from gguf.quants import dequantize
+from quant_blocks import random_blocks
 
 from engine import LLM, EngineConfig
-from engine.models.gguf_blocks import EXACT_TYPES, decode
+from engine.models.gguf_blocks import decode
 from engine.models.quantized import (
     GROUP,
+    QuantizedEmbedding,
     QuantizedLinear,
     QuantizedWeight,
     int4_kernel_available,
@@ -25,51 +24,6 @@ from engine.models.quantized import (
 needs_int4pack = pytest.mark.skipif(not int4_kernel_available(), reason="no int4 CPU kernel")
 SMOLLM2 = "smollm2-135m-instruct"
 
-# Byte offsets of each block's float16 header fields (scale, and min where the type has one).
-_HEADERS = {
-    T.Q4_0: [0],
-    T.Q4_1: [0, 2],
-    T.Q5_0: [0],
-    T.Q5_1: [0, 2],
-    T.Q8_0: [0],
-    T.Q4_K: [0, 2],
-    T.Q5_K: [0, 2],
-    T.Q6_K: [-2],
-    T.Q3_K: [-2],
-    T.Q2_K: [-4, -2],
-}
-
-
-def random_blocks(qtype: T, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """Any bytes are a valid block; only the float16 headers get sane magnitudes."""
-    rng = np.random.default_rng(seed)
-    values_per_block, bytes_per_block = GGML_QUANT_SIZES[qtype]
-    blocks = rng.integers(0, 256, (rows, cols // values_per_block, bytes_per_block), np.uint8)
-    for offset in _HEADERS[qtype]:
-        at = offset % bytes_per_block
-        header = rng.uniform(-0.05, 0.05, blocks.shape[:2]).astype(np.float16)
-        blocks[..., at : at + 2] = header[..., None].view(np.uint8)
-    return blocks.reshape(rows, -1)
-
-
-@pytest.mark.parametrize("qtype", sorted(_HEADERS, key=int), ids=lambda t: t.name)
-def test_gguf_blocks_decode_to_gguf_dequantize(qtype):
-    rows, cols = 16, 512
-    raw = random_blocks(qtype, rows, cols)
-    want = torch.from_numpy(dequantize(raw, qtype).reshape(rows, cols).astype(np.float32))
-    weight = decode(raw, qtype, cols)
-    got = weight.dequantize()
-    assert (weight.codes.int() < 2**weight.bits).all()
-    if qtype in EXACT_TYPES:  # the block's own codes, scales and offsets
-        assert weight.bits == (4 if qtype in (T.Q4_0, T.Q4_1, T.Q4_K) else 8)
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-    else:  # requantized to 8 bits: within half a step of each group's range / 255
-        groups = want.reshape(rows, -1, GROUP)
-        step = (groups.amax(-1) - groups.amin(-1)) / 255
-        bound = step.repeat_interleave(GROUP, 1) / 2 * 1.001 + 1e-6  # fp32 rounding
-        assert ((got - want).abs() <= bound).all()
-        assert (got - want).abs().max() > 0  # really requantized
-
 
 @pytest.mark.parametrize("bits", [4, 5, 8])
 def test_quantize_is_within_half_a_step(bits):
@@ -79,7 +33,7 @@ def test_quantize_is_within_half_a_step(bits):
     step = (groups.amax(-1) - groups.amin(-1)) / (2**bits - 1)
     err = (weight.dequantize() - w).abs()
     assert (err <= step.repeat_interleave(GROUP, 1) / 2 * 1.001 + 1e-6).all()
-    assert weight.bits == (4 if bits == 4 else 8)
+    assert weight.bits == bits
     assert err.max() > 0
 
 
@@ -88,12 +42,13 @@ def test_quantize_rejects_widths_off_the_group():
         QuantizedWeight.quantize(torch.randn(16, 40), 4)
 
 
-def test_mixed_widths_stack_by_widening():
+@pytest.mark.parametrize("widths", [(4, 8), (4, 5), (5, 8)])
+def test_mixed_widths_stack_by_widening(widths):
     g = torch.Generator().manual_seed(0)
-    a = QuantizedWeight.quantize(torch.randn(16, 64, generator=g), 4)
-    b = QuantizedWeight.quantize(torch.randn(32, 64, generator=g), 8)
+    a = QuantizedWeight.quantize(torch.randn(16, 64, generator=g), widths[0])
+    b = QuantizedWeight.quantize(torch.randn(32, 64, generator=g), widths[1])
     fused = QuantizedWeight.cat_rows([a, b])
-    assert fused.bits == 8
+    assert fused.bits == widths[1]
     torch.testing.assert_close(fused.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
 
 
@@ -111,7 +66,7 @@ TOLERANCE = {  # the reference's sums are float64 and in another order
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize("num_rows", [1, 5, 64])
 @pytest.mark.parametrize("shape", [(96, 128), (40, 96)])  # 40: a partial tile of 16 rows
 def test_quantized_linear_equals_its_reference(backend, bits, num_rows, shape):
@@ -139,14 +94,20 @@ def test_quantized_linear_equals_its_reference(backend, bits, num_rows, shape):
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS[:2])
-def test_a_rows_result_does_not_depend_on_its_batch(backend):
+@pytest.mark.parametrize(
+    "qtype", [None, T.Q5_0, T.Q4_K, T.Q6_K], ids=["int4", "Q5_0", "Q4_K", "Q6_K"]
+)
+def test_a_rows_result_does_not_depend_on_its_batch(backend, qtype):
     """A row's result is bitwise the same whatever rows share its call: the tandem kernel at
     any row count (decode, verification, prefill chunks of any length), torch's int4 kernel
-    at the few rows of decode and verification."""
+    at the few rows of decode and verification; 4-, 5- and 6-bit codes, K-quant scales alike."""
     g = torch.Generator().manual_seed(3)
-    weight = QuantizedWeight.quantize(torch.randn(64, 576, generator=g) * 0.1, 4)
+    if qtype is None:
+        weight = QuantizedWeight.quantize(torch.randn(64, 768, generator=g) * 0.1, 4)
+    else:
+        weight = decode(random_blocks(qtype, 64, 768, seed=3), qtype, 768)
     layer = QuantizedLinear(weight, None, backend=backend)
-    x = torch.randn(300, 576, generator=g)
+    x = torch.randn(300, 768, generator=g)
     counts = (1, 3, 8, 9, 16, 17, 100, 300) if backend == "tandem" else (1, 3, 8)
     full = layer(x[: max(counts) if backend == "tandem" else 16])
     for n in counts:
@@ -176,16 +137,31 @@ def test_float16_parameters_where_exact_and_the_same_bits_as_float32():
 
 ISA_CHECK = """
 import sys, torch
-from engine.models.quantized import QuantizedLinear, QuantizedWeight, reference_matmul
+from engine.models.quantized import (
+    QuantizedEmbedding, QuantizedLinear, QuantizedWeight, SuperBlocks, reference_matmul
+)
 from kernels import cpu
 assert cpu.load() == sys.argv[1], cpu.load()
 g = torch.Generator().manual_seed(0)
-for bits in (4, 8):
-    weight = QuantizedWeight.quantize(torch.randn(40, 96, generator=g) * 0.1, bits)
+weights = [QuantizedWeight.quantize(torch.randn(40, 512, generator=g) / 9, b) for b in (4, 5, 6, 8)]
+for bits in (4, 5):  # K-quant scales: float16 d and dmin per 256, 6-bit sub-scales and mins
+    d, neg_dmin = (torch.rand(40, 2, generator=g).half() / 50 for _ in range(2))
+    sub = [torch.randint(0, 64, (40, 16), generator=g, dtype=torch.uint8) for _ in range(2)]
+    codes = torch.randint(0, 2**bits, (40, 512), generator=g, dtype=torch.uint8)
+    blocks = SuperBlocks(d, sub[0], -neg_dmin, sub[1])
+    weights.append(QuantizedWeight.from_super_blocks(codes, blocks, bits))
+d6 = (torch.rand(40, 2, generator=g) / 50).half()
+sc6 = torch.randint(-128, 128, (40, 32), generator=g).to(torch.int8)  # Q6_K: a scale per 16
+codes = torch.randint(0, 64, (40, 512), generator=g, dtype=torch.uint8)
+weights.append(QuantizedWeight.from_super_blocks(codes, SuperBlocks(d6, sc6, None, None), 6))
+for weight in weights:
     layer = QuantizedLinear(weight, None, backend="tandem")
     for rows in (1, 5, 16, 33):
-        x = torch.randn(rows, 96, generator=g)
-        assert torch.equal(layer(x), reference_matmul(x, weight, "tandem")), (bits, rows)
+        x = torch.randn(rows, 512, generator=g)
+        assert torch.equal(layer(x), reference_matmul(x, weight, "tandem")), (weight.bits, rows)
+    ids = torch.tensor([0, 9, 39])
+    got = QuantizedEmbedding(weight, "cpu", torch.float32)(ids)
+    assert torch.equal(got, weight.dequantize()[ids])
 print("ok")
 """
 
@@ -255,7 +231,6 @@ def test_gguf_weights_equal_transformers_dequantized_checkpoint():
     from engine.models.architectures import Checkpoint, architecture
     from engine.models.gguf_loader import GGUFWeights
     from engine.models.loader import _load_state, gguf_file, load_model
-    from engine.models.quantized import QuantizedEmbedding
 
     path = _smollm2_dir()
     _, cfg, _ = load_model(path, quantization=None, pack_weights=False)

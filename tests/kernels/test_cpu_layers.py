@@ -157,12 +157,15 @@ def test_attend_refuses_a_context_beyond_its_table():
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # a QKV bias; per-head norms
-def test_fused_layer_equals_its_pieces_composed(tmp_path, arch, kv_cache_dtype):
+@pytest.mark.parametrize("bits", [4, 5, 6])  # 5, 6: a 4-bit plane and one per higher bit
+def test_fused_layer_equals_its_pieces_composed(tmp_path, arch, kv_cache_dtype, bits):
     """A layer's one C++ call and its pieces composed from Python (as steps with adapters or
     tensor-parallel sums run them): the same hidden states and caches, bit for bit, with a
     float32 cache or an int8 one."""
     from engine import LLM
     from engine.attention import row_metadata, slot_ids
+    from engine.models.layers import projections
+    from engine.models.quantized import QuantizedLinear, QuantizedWeight
     from models import make_tiny_model
 
     path = make_tiny_model(tmp_path / "tiny", arch)
@@ -176,6 +179,15 @@ def test_fused_layer_equals_its_pieces_composed(tmp_path, arch, kv_cache_dtype):
     model = llm.engine.runner.model
     assert model.fused_layers
     layer = model.layers[0]
+    if bits > 4:  # each projection requantized from its int4 values to wider codes
+        for linear in projections(layer.self_attn, layer.mlp):
+            f = linear.format
+            rows = torch.arange(f.out_features)
+            w = torch.ops.tandem_cpu.dequantize_rows(
+                f.codes, f.scales, f.offsets, f.bits, f.out_features, f.in_features, rows
+            )
+            linear.format = QuantizedLinear(QuantizedWeight.quantize(w, bits), f.bias)
+        assert layer.fuse() and layer.fused[1] == [bits] * 4
     seq_lens, query_lens, tables = [9, 1, 14], [9, 1, 6], [[1, 2, 3], [4], [5, 6, 7, 8]]
     slots = [
         s
