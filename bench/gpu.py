@@ -1,7 +1,8 @@
 """GPU benchmark: the Triton kernels and the engine on CUDA, bf16, against the GPU's own copy
 bandwidth and HF transformers on the same GPU and workload.
 
-    python -m bench.gpu [--parts attention,lora,verify,decode,sweep] [--models smollm2,1b] [--quick]
+    python -m bench.gpu [--parts attention,lora,verify,decode,sweep,spec] [--models smollm2,1b]
+                        [--quick]
     python -m bench.gpu --smoke     # the same code on CPU at toy sizes (Triton's interpreter)
 
 Random-weight Llama models, saved as HF directories (safetensors, a word-level tokenizer over
@@ -25,6 +26,8 @@ synchronize for whole runs; model loading and warm-up are excluded.
 - decode: the engine at batch 1 (prompt 512, 128 new tokens): decode tokens/s against the
   roofline (weights + the KV read per step, over the copy bandwidth), with CUDA graphs and
   async scheduling (the defaults), with graphs and synchronous steps, and enforce_eager=True.
+- spec: n-gram speculation (adaptive k) against plain decoding at batch 1 and 32, greedy, in
+  float32, on prompts that repeat a phrase; outputs must be equal (exit code 1 if not).
 - sweep: the engine at batch 1..128 (prompt 128, 128 new tokens, EOS ignored, greedy) against
   HF `generate` one request at a time (sequential) and in static batches of the same size; then
   the largest batch sampled (temperature 0.8, top-p 0.95), and greedy with async scheduling
@@ -69,10 +72,13 @@ def engine_run(
     eager=False,
     sampled=False,
     overlap=True,
+    outputs: dict | None = None,
+    **config,
 ):
     """(seconds, output tokens, decode-only seconds, decode steps) for one engine run;
     eager: no CUDA graphs; sampled: temperature 0.8, top-p 0.95 instead of greedy; overlap:
-    async scheduling (the default on CUDA; set here so that --smoke runs it on CPU too)."""
+    async scheduling (the default on CUDA; set here so that --smoke runs it on CPU too);
+    outputs: filled with each request's token ids; config: more EngineConfig fields."""
     from engine import LLM, SamplingParams
 
     llm = LLM(
@@ -82,6 +88,7 @@ def engine_run(
         enable_prefix_caching=False,
         enforce_eager=eager,
         async_scheduling=overlap,
+        **config,
     )
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     if sampled:
@@ -108,6 +115,8 @@ def engine_run(
             decode_s += time.perf_counter() - s0
             decode_steps += engine.num_steps - launched
         tokens += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
+        if outputs is not None:
+            outputs.update({o.request_id: o.outputs[0].token_ids for o in outs if o.finished})
     sync()
     seconds = time.perf_counter() - t0
     del llm, engine
@@ -214,6 +223,32 @@ def bench_sweep(model_dir: Path, name: str, quick: bool) -> dict:
     return {"hf_seq_tok_s": hf_seq, "batches": rows, "sampled": sampled, "sync": sync_steps}
 
 
+def bench_spec(model_dir: Path, name: str) -> dict:
+    """n-gram speculation (adaptive k, cap 4) against plain decoding, greedy, at batch 1 and
+    the quick sweep's largest batch: prompts that repeat a phrase, so the lookup finds drafts
+    where the model continues the pattern. In float32, where outputs must be equal (exit code 1
+    otherwise): in bf16 a row's logits depend on how many rows share the GEMM (cuBLAS picks its
+    kernel by shape), so even plain batch-1 and batch-8 outputs part ways there."""
+    prompt_len, new, batches, _ = SIZES["sweep"]
+    out = {}
+    for b in (1, batches[-2]):
+        prompts = [[(j % (5 + i % 7)) * 3 + 10 + i for j in range(prompt_len)] for i in range(b)]
+        plain: dict = {}
+        spec: dict = {}
+        p_s, p_tok, _, _ = engine_run(model_dir, prompts, new, b, outputs=plain, dtype="float32")
+        s_s, s_tok, _, _ = engine_run(
+            model_dir, prompts, new, b, outputs=spec, dtype="float32", speculative_method="ngram"
+        )
+        equal = plain == spec
+        out[b] = {"plain_tok_s": p_tok / p_s, "ngram_tok_s": s_tok / s_s, "equal": equal}
+        out[b]["x_plain"] = out[b]["ngram_tok_s"] / out[b]["plain_tok_s"]
+        print(
+            f"spec {name} batch {b}: n-gram {out[b]['ngram_tok_s']:.0f} tok/s, plain "
+            f"{out[b]['plain_tok_s']:.0f}: {out[b]['x_plain']:.2f}x, outputs equal: {equal}"
+        )
+    return out
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parts", default="attention,lora,verify,decode,sweep")
@@ -236,7 +271,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, default=str))
     print(result_line(results, names))
-    return 0
+    unequal = [
+        k
+        for k in results
+        if k.startswith("spec_") and not all(r["equal"] for r in results[k].values())
+    ]
+    return 1 if unequal else 0
 
 
 def run_parts(parts: list[str], names: list[str], quick: bool) -> dict:
@@ -258,6 +298,8 @@ def run_parts(parts: list[str], names: list[str], quick: bool) -> dict:
                 results[f"decode_{name}"] = bench_decode(dirs[name], name, copy_bw)
             if "sweep" in parts:
                 results[f"sweep_{name}"] = bench_sweep(dirs[name], name, quick)
+            if "spec" in parts:
+                results[f"spec_{name}"] = bench_spec(dirs[name], name)
     return results
 
 

@@ -109,7 +109,9 @@ def draw(
     noise = torch.empty(num_rows, vocab, device=device)
     greedy = [j for r in rows if r.greedy for j in range(r.start, r.end)]
     if greedy:
-        noise[to_device(host_tensor(greedy), device)] = 1.0
+        # index_fill_ takes the value as a scalar: `noise[idx] = 1.0` would copy a host
+        # scalar tensor to the device, which waits for it.
+        noise.index_fill_(0, to_device(host_tensor(greedy), device), 1.0)
     plain = [r for r in rows if not r.greedy and not r.drafts]
     if plain:
         starts = to_device(host_tensor([r.start for r in plain]), device)

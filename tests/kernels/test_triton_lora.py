@@ -42,7 +42,9 @@ def run_both(seg_lens, seg_slots, *, num_rows, size_in, rank, size_out, y_offset
     shrunk = lora_shrink(x, a, d_rows, d_starts, d_slots, max_len)
     lora_expand(shrunk, b, y, y_offset, d_rows, d_starts, d_slots, max_len)
     want = reference.lora_shrink(x, a, rows.to(DEVICE), starts, slots)
-    reference.lora_expand(want, b, want_y, y_offset, rows.to(DEVICE), starts, slots)
+    # The expand is checked on the kernel's own shrunk rows: in bf16 the two shrinks differ by
+    # an ulp here and there, which the expand would carry into y beyond its own error.
+    reference.lora_expand(shrunk, b, want_y, y_offset, rows.to(DEVICE), starts, slots)
     return shrunk, want, y, want_y, rows
 
 
