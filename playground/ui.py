@@ -1,6 +1,7 @@
-"""The Gradio playground, mounted on the HTTP server's app: a chat/completion panel with
-sampling, speculation, adapter and constraint controls, live views of the engine (refreshed
-twice a second, so requests from HTTP clients show up too) and a load-test button."""
+"""The Gradio playground, mounted on the HTTP server's app: a multi-turn chat (or completion)
+panel with sampling, speculation, prediction, adapter and constraint controls; a race of the
+same request with and without speculation; live views of the engine (refreshed twice a second,
+so requests from HTTP clients show up too) and a load-test button."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ _LOAD_CONSTRAINTS = {  # request index % 4 -> its constraint
 Form = namedtuple(
     "Form",
     "mode prompt temperature top_p top_k max_tokens seed method k adaptive adapter "
-    "constraint_kind constraint_text tools tool_choice",
+    "constraint_kind constraint_text tools tool_choice prediction",
 )
 TOOL_CHOICES = ["auto", "required", "none"]
 EXAMPLE_TOOLS = [
@@ -97,7 +98,7 @@ def tools_from(mode: str, text: str, choice: str) -> Tools | None:
     """The tools box (OpenAI's JSON list; empty: none) and tool choice (auto, required, none, or
     a function's name) -> engine.entrypoints.tools.Tools."""
     text = (text or "").strip()
-    if not text:
+    if not text or (mode != "chat" and choice == "none"):  # completion mode ignores the box
         return None
     if mode != "chat":
         raise ValueError("tools: tool calls need chat mode")
@@ -125,28 +126,76 @@ class Playground:
 
     # ---- handlers -----------------------------------------------------------------------------
     async def generate(self, *values):
-        """Stream one request (values: the form's, in Form's order): yields (token-shaded
-        HTML, stats line)."""
-        form = Form(*values)
+        """Stream one request (values: the form's, in Form's order, then the conversation the
+        page shows: chat messages): yields (token-shaded HTML, stats line, conversation). In chat
+        mode a finished reply joins the conversation, so the next prompt is its next turn;
+        completion mode leaves it alone. The conversation lives in the page (the Chatbot's
+        value), so what a request continues is exactly what its page showed."""
+        form, conversation = Form(*values[:-1]), _messages(values[-1])
         with_tools = form.mode == "chat" and form.tool_choice != "none" and bool(form.tools)
         try:
-            stream = await self._submit(form)
+            stream = await self._submit(form, conversation)
         except ValueError as exc:
             raise gr.Error(str(exc)) from None
-        tokenizer = self.state.tokenizer
-        pieces = views.TokenPieces(tokenizer)
-        start = time.monotonic()
+        render = _Renderer(self.state.tokenizer)
+        # Every yield carries every output: Gradio's streamed diffs went wrong with gr.skip().
+        shown = ("", "", conversation)
         try:
             async for out in stream.cumulative():
-                c = out.outputs[0]
-                rejected = [(pos, tokenizer.decode(ids)) for pos, ids in c.rejected_drafts]
-                html = views.render_tokens(pieces.update(c.token_ids), c.token_kinds, rejected)
-                yield html, _stats(out, time.monotonic() - start, with_tools)
+                shown = (render(out), _stats(out, render.seconds, with_tools), *shown[2:])
+                if form.mode == "chat" and out.finished:
+                    turn = [
+                        {"role": "user", "content": form.prompt},
+                        {"role": "assistant", "content": out.outputs[0].text},
+                    ]
+                    shown = (*shown[:2], conversation + turn)
+                yield shown
         finally:
             stream.close()
 
-    async def _submit(self, form: Form):
-        """The form's request, added to the engine; ValueError for a bad field."""
+    async def race(self, *values):
+        """The form's request twice at once, with the form's speculation (and prediction) and
+        without any: yields each side's token-shaded HTML and stats as either streams. Greedy,
+        both sides emit the same tokens (verification is lossless); the speculating side gets
+        there in fewer steps. Chat mode continues the conversation without adding to it."""
+        form, conversation = Form(*values[:-1]), _messages(values[-1])
+        if form.method == "off" and not (form.prediction or "").strip():
+            form = form._replace(method=self.method or "off")  # something to race with
+        plain = form._replace(method="off", prediction="")
+        try:
+            streams = [await self._submit(f, conversation) for f in (form, plain)]
+        except ValueError as exc:
+            raise gr.Error(str(exc)) from None
+        shown = [("", ""), ("", "")]
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(side: int, stream) -> None:
+            render = _Renderer(self.state.tokenizer)
+            try:
+                async for out in stream.cumulative():
+                    await queue.put((side, render(out), _stats(out, render.seconds)))
+            finally:
+                await queue.put((side, None, None))
+
+        tasks = [asyncio.ensure_future(pump(i, st)) for i, st in enumerate(streams)]
+        try:
+            running = len(tasks)
+            while running:
+                side, html, stats = await queue.get()
+                if html is None:
+                    running -= 1
+                    continue
+                shown[side] = (html, stats)
+                yield *shown[0], *shown[1]
+        finally:
+            for task in tasks:
+                task.cancel()
+            for st in streams:
+                st.close()
+
+    async def _submit(self, form: Form, conversation: list[dict]):
+        """The form's request (in chat mode, the next turn of `conversation`), added to the
+        engine; ValueError for a bad field."""
         seed = None if form.seed is None or int(form.seed) < 0 else int(form.seed)
         params = SamplingParams(
             temperature=float(form.temperature),
@@ -156,6 +205,7 @@ class Playground:
             seed=seed,
             num_speculative_tokens=spec_k(form.method, form.k, form.adaptive),
             structured_outputs=constraint_from(form.constraint_kind, form.constraint_text),
+            prediction=form.prediction or None,
         )
         if not (form.prompt or "").strip():
             raise ValueError("prompt is empty")
@@ -164,7 +214,7 @@ class Playground:
         if tools is not None:
             params = tools.apply(params)
         if form.mode == "chat":
-            messages = [{"role": "user", "content": form.prompt}]
+            messages = [*conversation, {"role": "user", "content": form.prompt}]
             shown = tools.in_prompt if tools else None
             ids = chat_prompt_ids(tokenizer, messages, tools=shown)
         else:
@@ -254,6 +304,11 @@ class Playground:
             method = gr.Dropdown(methods, value=methods[-1], label="method")
             k = gr.Slider(0, 15, value=4, step=1, label="k: drafts per step")
             adaptive = gr.Checkbox(value=True, label="adaptive k (k is the cap)")
+            prediction = gr.Textbox(
+                lines=3,
+                label="prediction: text the answer will mostly repeat (Predicted Outputs)",
+                elem_id="prediction",
+            )
         adapter = gr.Dropdown([BASE, *self.state.adapters], value=BASE, label="LoRA adapter")
         with gr.Accordion("Constraint", open=False):
             kind = gr.Dropdown(CONSTRAINTS, value="none", label="kind", elem_id="constraint-kind")
@@ -277,7 +332,7 @@ class Playground:
                 elem_id="tool-choice",
             )
         controls = dict(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens)
-        controls |= dict(tools=tools, tool_choice=tool_choice)
+        controls |= dict(tools=tools, tool_choice=tool_choice, prediction=prediction)
         controls |= dict(seed=seed, method=method, k=k, adaptive=adaptive, adapter=adapter)
         return Form(mode=None, prompt=None, constraint_kind=kind, constraint_text=text, **controls)
 
@@ -290,6 +345,7 @@ class Playground:
             with gr.Row():
                 with gr.Column(scale=3):
                     mode = gr.Radio(["chat", "completion"], value="chat", label="mode")
+                    chat = gr.Chatbot(label="conversation", height=260, elem_id="conversation")
                     prompt = gr.Textbox(
                         label="prompt",
                         lines=3,
@@ -299,9 +355,20 @@ class Playground:
                     with gr.Row():
                         go = gr.Button("Generate", variant="primary", elem_id="generate")
                         stop = gr.Button("Stop", elem_id="stop")
+                        race = gr.Button("Race: with vs without speculation", elem_id="race")
+                        new_chat = gr.Button("New conversation", elem_id="new-chat")
                     gr.HTML(views.legend())
                     output = gr.HTML(elem_id="output")
                     stats = gr.Markdown(elem_id="stats")
+                    with gr.Row():
+                        with gr.Column():
+                            gr.Markdown("**with speculation**")
+                            race_spec = gr.HTML(elem_id="race-spec")
+                            race_spec_stats = gr.Markdown(elem_id="race-spec-stats")
+                        with gr.Column():
+                            gr.Markdown("**without**")
+                            race_plain = gr.HTML(elem_id="race-plain")
+                            race_plain_stats = gr.Markdown(elem_id="race-plain-stats")
                 with gr.Column(scale=2):
                     form = self._controls()._replace(mode=mode, prompt=prompt)
                     with gr.Accordion("Load test", open=True):
@@ -320,12 +387,20 @@ class Playground:
             run = gr.on(
                 [go.click, prompt.submit],
                 self.generate,
-                list(form),
-                [output, stats],
+                [*form, chat],
+                [output, stats, chat],
                 api_name="generate",
                 concurrency_limit=None,
             )
-            stop.click(None, cancels=[run])
+            racing = race.click(
+                self.race,
+                [*form, chat],
+                [race_spec, race_spec_stats, race_plain, race_plain_stats],
+                api_name="race",
+                concurrency_limit=None,
+            )
+            stop.click(None, cancels=[run, racing])
+            new_chat.click(lambda: [], None, [chat], api_name=False)
             load.click(
                 self.load_test,
                 [num_requests],
@@ -339,12 +414,42 @@ class Playground:
         return demo
 
 
+def _messages(chat) -> list[dict]:
+    """The Chatbot's value (messages whose content is a string or a list of parts) -> chat
+    messages for the template."""
+    messages = []
+    for m in chat or []:
+        content = m["content"]
+        if not isinstance(content, str):
+            parts = content if isinstance(content, list) else [content]
+            content = "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in parts)
+        messages.append({"role": m["role"], "content": content})
+    return messages
+
+
+class _Renderer:
+    """One stream's cumulative outputs -> token-shaded HTML; `seconds` since it was made."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.pieces = views.TokenPieces(tokenizer)
+        self.start = time.monotonic()
+        self.seconds = 0.0
+
+    def __call__(self, out) -> str:
+        self.seconds = time.monotonic() - self.start
+        c = out.outputs[0]
+        rejected = [(pos, self.tokenizer.decode(ids)) for pos, ids in c.rejected_drafts]
+        return views.render_tokens(self.pieces.update(c.token_ids), c.token_kinds, rejected)
+
+
 def _stats(out, seconds: float, with_tools: bool = False) -> str:
     c = out.outputs[0]
     kinds = c.token_kinds
     n = len(c.token_ids)
     line = (
-        f"{n} tokens in {seconds:.1f} s ({n / seconds if seconds else 0:.1f} tokens/s) · "
+        f"{out.request_id}: {n} tokens in {seconds:.1f} s "
+        f"({n / seconds if seconds else 0:.1f} tokens/s) · "
         f"prompt {len(out.prompt_token_ids)} tokens, {out.num_cached_tokens} from cache · "
         f"accepted drafts {kinds.count('a')}, forced {kinds.count('f')}, "
         f"bonus {kinds.count('b')}, resampled {kinds.count('r')}"

@@ -129,12 +129,102 @@ def test_page_streams_and_shows_block_tables(playground):
     assert snap["num_free_blocks"] == snap["num_blocks"]
 
 
+def _run(page, button: str, stats: str, other: str | None = None) -> None:
+    """Clicks `button` and waits until the stats line `stats` (and `other`) shows a finished
+    request other than the one it showed before (each line starts with its request's id)."""
+    selectors = [s for s in (stats, other) if s]
+    before = [page.inner_text(s) for s in selectors]
+    page.click(button)
+    for s, old in zip(selectors, before, strict=True):
+        old_id = re.search(r"(ui-\w+):", old)
+        page.wait_for_function(
+            f"(t => t.includes('finished') && /ui-\\w+:/.test(t)"
+            f" && !t.includes({json.dumps(old_id[1] if old_id else '@')}))"
+            f"(document.querySelector('{s}').innerText)",
+            timeout=120_000,
+        )
+
+
+def _emitted(page, selector: str) -> str:
+    """The tokens a pane shows (struck-out rejected drafts aside), the end-of-sequence token's
+    text removed."""
+    text = page.eval_on_selector_all(
+        f"{selector} .tk", "spans => spans.map(s => s.textContent).join('')"
+    )
+    return text.replace("↵", "\n").removesuffix("<|im_end|>")
+
+
+def _prompt_tokens(page) -> int:
+    return int(re.search(r"prompt (\d+) tokens", page.inner_text("#stats"))[1])
+
+
+def test_page_keeps_a_conversation_and_races_speculation(playground):
+    """Chat turns build on each other (the second turn's prompt is the template over both
+    turns, token for token), "New conversation" starts afresh, and the race streams the same
+    request with and without speculation: greedy, the same text on both sides, drafts accepted
+    only on the speculating side (here from the prediction box)."""
+    url, state = playground
+    from playwright.sync_api import sync_playwright
+
+    from engine.entrypoints.llm import chat_prompt_ids
+
+    tokenizer = state.tokenizer
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=_chromium(), args=["--no-sandbox", "--disable-gpu"]
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1500})
+            page.goto(url + "/", wait_until="load")
+            page.wait_for_selector("#generate", timeout=60_000)
+            first, second = "My name is Ada. Say hello to me.", "What is my name?"
+            page.fill("#prompt textarea", first)
+            _run(page, "#generate", "#stats")
+            reply = _emitted(page, "#output")
+            page.wait_for_function(
+                "document.querySelector('#conversation').innerText.includes('My name is Ada')",
+                timeout=30_000,
+            )
+            page.fill("#prompt textarea", second)
+            _run(page, "#generate", "#stats")
+            history = [
+                {"role": "user", "content": first},
+                {"role": "assistant", "content": reply},
+                {"role": "user", "content": second},
+            ]
+            assert _prompt_tokens(page) == len(chat_prompt_ids(tokenizer, history))
+            page.click("#new-chat")
+            page.wait_for_function(
+                "!document.querySelector('#conversation').innerText.includes('My name is Ada')",
+                timeout=30_000,
+            )
+            _run(page, "#generate", "#stats")
+            alone = [{"role": "user", "content": second}]
+            assert _prompt_tokens(page) == len(chat_prompt_ids(tokenizer, alone))
+            # The race, in completion mode, with a prediction the answer repeats.
+            page.get_by_label("completion").check()
+            page.fill("#prompt textarea", "Count: one, two, three, four, five,")
+            page.fill("#prediction textarea", " six, seven, eight, nine, ten, eleven, twelve")
+            _run(page, "#race", "#race-spec-stats", "#race-plain-stats")
+            spec, plain = _emitted(page, "#race-spec"), _emitted(page, "#race-plain")
+            assert spec == plain and len(spec) > 10
+            assert page.locator("#race-spec .tk-a").count() > 0
+            assert page.locator("#race-plain .tk-a").count() == 0
+            assert "tokens/s" in page.inner_text("#race-plain-stats")
+            ARTIFACTS.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "playground-race.png"), full_page=True)
+        finally:
+            browser.close()
+    snap = wait_idle(state.engine)
+    assert snap["num_free_blocks"] == snap["num_blocks"]
+
+
 def test_gradio_client(playground):
     url, state = playground
     from gradio_client import Client
 
     client = Client(url + "/", verbose=False)
-    html, stats = client.predict(
+    html, stats, _ = client.predict(
         "completion",
         "One, two, three, four, one, two, three, four, one, two,",
         0.0,
@@ -150,6 +240,8 @@ def test_gradio_client(playground):
         "three\nfour",
         "",
         "none",
+        "",
+        [],
         api_name="/generate",
     )
     assert "finished: stop" in stats
@@ -171,16 +263,20 @@ def test_gradio_client(playground):
             "(unclosed",
             "",
             "none",
+            "",
+            [],
             api_name="/generate",
         )
     # Tools in chat mode: a required call, its opening forced (free drafts), parsed in the stats.
     tools = json.dumps([ADD_TOOL])
     args = ["chat", "Add 2 and 40.", 0.0, 1.0, 0, 64, -1, "off", 4, True, "(base model)"]
-    html, stats = client.predict(*args, "none", "", tools, "required", api_name="/generate")
+    html, stats, _ = client.predict(
+        *args, "none", "", tools, "required", "", [], api_name="/generate"
+    )
     assert re.search(r'tool calls: add\(\{"a": \d+, "b": \d+\}\)', stats), stats
     assert 'class="tk tk-f' in html
     with pytest.raises(Exception, match="tool_choice"):
-        client.predict(*args, "none", "", tools, "mul", api_name="/generate")
+        client.predict(*args, "none", "", tools, "mul", "", [], api_name="/generate")
     summary = client.predict(6, api_name="/load_test")
     assert summary.startswith("load test: 6/6 requests finished"), summary
     snap = wait_idle(state.engine)
