@@ -107,6 +107,13 @@ def add_server_args(parser: argparse.ArgumentParser, port: int) -> None:
         help="while requests decode, limit a step's prompt tokens to stay within this time "
         "(ms; 0: no limit, a prompt chunk of --max-num-batched-tokens shares any step)",
     )
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="dense weights' dtype (auto: float32 on CPU, bfloat16 on CUDA); with --quantization "
+        "none, bfloat16 on a CPU with AVX512-BF16 or AMX is the fast approximate dense path",
+    )
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument(
         "--kv-cache-dtype",
@@ -173,6 +180,7 @@ def engine_config(args: argparse.Namespace, adapters: dict[str, LoRARequest]):
         max_step_ms=args.max_step_ms or None,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         kv_cache_dtype=args.kv_cache_dtype,
+        dtype=args.dtype,
         num_threads=args.threads,
         tensor_parallel_size=args.tensor_parallel_size,
         enable_prefix_caching=not args.no_prefix_caching,

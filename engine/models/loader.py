@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,8 +22,10 @@ from engine.models.config import ModelConfig
 from engine.models.gguf_loader import GGUFWeights
 from engine.models.layers import onednn_linear_available
 from engine.models.parallel import Parallel, local_config
-from engine.models.quant import int8_linear_available
+from engine.models.quant import cpu_has_fast_bf16, int8_linear_available
 from engine.models.registry import resolve_model
+
+logger = logging.getLogger(__name__)
 
 
 def _safetensor_files(path: Path) -> list[Path]:
@@ -187,6 +190,8 @@ def load_target(config: EngineConfig, group=None) -> tuple[CausalLM, ModelConfig
     target itself then loads exact (dense)."""
     device, dtype = config.torch_device, config.torch_dtype
     quantization = target_quantization(config)
+    if device.type == "cpu" and dtype == torch.bfloat16 and not cpu_has_fast_bf16():
+        logger.warning("dtype=bfloat16 on a CPU without AVX512-BF16 or AMX: slower than float32")
     path = target_path(config)
     model, cfg, _ = load_model(
         path, config.max_model_len, device=device, dtype=dtype, quantization=quantization,
