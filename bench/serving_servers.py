@@ -14,6 +14,7 @@ MODEL = "smollm2-135m-instruct"
 SERVERS = {
     "tandem": "tandem serve, the GGUF's own blocks (the default)",
     "tandem-fp32": "tandem serve --quantization none (dense float32)",
+    "tandem-bf16": "tandem serve --quantization none --dtype bfloat16 (dense bfloat16)",
     "llama-server": "llama.cpp's server on the same GGUF file",
     "vllm-fp32": "vLLM's CPU build on the same float32 weights",
     "vllm-bf16": "vLLM's CPU build in bfloat16 (its CPU default)",
@@ -40,11 +41,15 @@ class ServerSpec:
         return self.command(port, slots), f"http://127.0.0.1:{port}", self.env
 
 
-def tandem(threads: int, dense: bool, extra: list[str]) -> Callable[[int, int], list[str]]:
+def tandem(threads: int, dense: str | None, extra: list[str]) -> Callable[[int, int], list[str]]:
+    """dense: None (the GGUF's blocks) or the dense weights' dtype."""
+
     def command(port: int, slots: int) -> list[str]:
         argv = [sys.executable, "-m", "playground.cli", "serve", "--model", MODEL]
         argv += ["--port", str(port), "--threads", str(threads), "--no-prefix-caching"]
-        return argv + (["--quantization", "none"] if dense else []) + extra
+        if dense:
+            argv += ["--quantization", "none", "--dtype", dense]
+        return argv + extra
 
     return command
 
@@ -113,7 +118,8 @@ def find_servers(
     for name in names:
         flags = extra.get(name, [])
         if name.startswith("tandem"):
-            specs.append(ServerSpec(name, tandem(threads, name == "tandem-fp32", flags), env))
+            dense = {"tandem-fp32": "float32", "tandem-bf16": "bfloat16"}.get(name)
+            specs.append(ServerSpec(name, tandem(threads, dense, flags), env))
         elif name == "llama-server" and bin_dir is None:
             notes.append("llama-server: not found (--llama-cpp DIR, $TANDEM_LLAMA_CPP or "
                          "`make llama-server`): skipped")  # fmt: skip
