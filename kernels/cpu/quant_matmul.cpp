@@ -152,11 +152,15 @@ inline void tile(const uint8_t* w, const uint8_t* d, const uint8_t* m, const Act
   const int64_t groups = a.kp / G;
   __m512 acc[MT];
   for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
+  // The row loops unrolled whole and the group loop not at all: the MT accumulators and one
+  // group's 8 chunks then stay in registers (unrolling groups too spilled acc to the stack).
+#pragma GCC unroll 1
   for (int64_t g = 0; g < groups; ++g) {
     __m512i chunk[8];
     unpack<WIDE ? 8 : BITS>(w + g * unit_bytes(WIDE ? 8 : BITS), chunk);
     if constexpr (std::is_same_v<S, Q6>) {  // each half: acc = fma(D - 32 S, s dx, acc)
       const __m512 s0 = q6_scales16(d, g, 0), s1 = q6_scales16(d, g, 1);
+#pragma GCC unroll 16
       for (int t = 0; t < MT; ++t) {
         const int64_t r = first + t;
         const int8_t* p = a.p + r * a.kp + g * G;
@@ -171,11 +175,15 @@ inline void tile(const uint8_t* w, const uint8_t* d, const uint8_t* m, const Act
       continue;
     }
     const __m512 dg = params16<S>(d, g), mg = params16<S>(m, g);
+#pragma GCC unroll 16
     for (int t = 0; t < MT; ++t) {
       const int64_t r = first + t;
       const int8_t* p = a.p + r * a.kp + g * G;
-      __m512i dot = _mm512_setzero_si512();
-      for (int c = 0; c < 8; ++c) dot = dpbusd512(dot, chunk[c], _mm512_set1_epi32(word(p + 4 * c)));
+      // D as two chains of 4 products (half the dependent latency; integer sums, D exact)
+      __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) lo = dpbusd512(lo, chunk[c], _mm512_set1_epi32(word(p + 4 * c)));
+      for (int c = 4; c < 8; ++c) hi = dpbusd512(hi, chunk[c], _mm512_set1_epi32(word(p + 4 * c)));
+      const __m512i dot = _mm512_add_epi32(lo, hi);
       const __m512 scale = _mm512_mul_ps(dg, _mm512_set1_ps(a.dx[r * groups + g]));
       acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[t]);
       acc[t] = _mm512_fmadd_ps(mg, _mm512_set1_ps(a.sx[r * groups + g]), acc[t]);
