@@ -32,7 +32,9 @@
 // float(d) * float(sub-scale) as it reads them, a product exact in float32. Every form gives
 // the same float32 d and m that a float32 table of them would, so the choice never changes a
 // result. 256-bit paths take a tile as two halves of 8 rows (the first 32 bytes of each chunk,
-// then the last 32).
+// then the last 32). A call of more than 8 rows (prefill, verification) widens a 5- or 6-bit
+// tile's planes to bytes once, into the 8-bit unit's layout, and every block of 8 rows reads
+// those: the unpacking is paid once per tile, not once per block of rows.
 #include "quant_matmul.h"
 
 #include <ATen/Parallel.h>
@@ -56,8 +58,8 @@ constexpr int64_t kMaxRowTile = 8;  // activation rows that share a tile's unpac
 
 #if TANDEM_HAVE_KERNEL
 // One group of 32 floats (n of them real, the rest zero) -> 32 int8 codes p, dx, dx * sum(p),
-// and the sums of p over each half (Q6_K's). Round half to even (the default MXCSR mode), as
-// torch.round in the Python reference.
+// and -32 times the sums of p over each half (Q6_K's offset terms). Round half to even (the
+// default MXCSR mode), as torch.round in the Python reference.
 inline void quantize_group(const float* x, int n, int8_t* p, float* dx, float* sx,
                            int32_t* halves) {
   alignas(32) float buf[G];
@@ -89,15 +91,15 @@ inline void quantize_group(const float* x, int n, int8_t* p, float* dx, float* s
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bytes);
   *dx = d;
   *sx = d * static_cast<float>(hsum_i32(total));
-  halves[0] = hsum_i32(_mm256_add_epi32(q[0], q[1]));
-  halves[1] = hsum_i32(_mm256_add_epi32(q[2], q[3]));
+  halves[0] = -32 * hsum_i32(_mm256_add_epi32(q[0], q[1]));
+  halves[1] = -32 * hsum_i32(_mm256_add_epi32(q[2], q[3]));
 }
 
 struct Activations {
   const int8_t* p;   // [M, Kp]
   const float* dx;   // [M, Kp / G]
   const float* sx;   // [M, Kp / G]
-  const int32_t* halves;  // [M, Kp / 16]: sum(p) over each 16
+  const int32_t* halves;  // [M, Kp / 16]: -32 sum(p) over each 16 (Q6_K's -32 S, exact)
   int64_t kp;
 };
 
@@ -108,42 +110,62 @@ inline int32_t word(const int8_t* p) {  // four activation codes as one int32 (t
 }
 
 #if TANDEM_AVX512
-// MT activation rows against one 16-row tile: acc[t] holds row first + t's 16 outputs.
-template <int BITS, int MT, typename S>
+// One tile's group u -> its 8 chunks of codes as bytes (the 4-bit plane's nibbles, plus 16,
+// 32 where the higher planes' bits are set).
+template <int BITS>
+inline void unpack(const uint8_t* u, __m512i chunk[8]) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int c = 0; c < (BITS == 8 ? 8 : 4); ++c) {
+    const __m512i v = _mm512_loadu_si512(u + 64 * c);
+    if constexpr (BITS == 8) {
+      chunk[c] = v;
+    } else {
+      chunk[c] = _mm512_and_si512(v, low);
+      chunk[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+  }
+  for (int b = 4; b < (BITS == 8 ? 4 : BITS); ++b) {  // plane b: word c's bit i is byte i's
+    const __m512i value = _mm512_set1_epi8(static_cast<char>(1 << b));
+    for (int c = 0; c < 8; ++c) {
+      uint64_t bits;
+      std::memcpy(&bits, u + 256 + 64 * (b - 4) + 8 * c, 8);
+      chunk[c] = _mm512_mask_add_epi8(chunk[c], _cvtu64_mask64(bits), chunk[c], value);
+    }
+  }
+}
+
+// A tile's codes (groups units of BITS-bit codes) as 8-bit units, one code a byte.
+template <int BITS>
+inline void widen(const uint8_t* w, int64_t groups, uint8_t* out) {
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i chunk[8];
+    unpack<BITS>(w + g * unit_bytes(BITS), chunk);
+    for (int c = 0; c < 8; ++c) _mm512_storeu_si512(out + 512 * g + 64 * c, chunk[c]);
+  }
+}
+
+// MT activation rows against one 16-row tile: acc[t] holds row first + t's 16 outputs. WIDE:
+// the codes are `widen`'s 8-bit units (of BITS-bit values).
+template <int BITS, int MT, typename S, bool WIDE>
 inline void tile(const uint8_t* w, const uint8_t* d, const uint8_t* m, const Activations& a,
                  int64_t first, float* y, int64_t ldy, int64_t width, const float* bias) {
   const int64_t groups = a.kp / G;
-  constexpr int64_t unit = unit_bytes(BITS);
-  const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[MT];
   for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
+  // The row loops unrolled whole and the group loop not at all: the MT accumulators and one
+  // group's 8 chunks then stay in registers (unrolling groups too spilled acc to the stack).
+#pragma GCC unroll 1
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* u = w + g * unit;
     __m512i chunk[8];
-    for (int c = 0; c < (BITS == 8 ? 8 : 4); ++c) {
-      const __m512i v = _mm512_loadu_si512(u + 64 * c);
-      if constexpr (BITS == 8) {
-        chunk[c] = v;
-      } else {
-        chunk[c] = _mm512_and_si512(v, low);
-        chunk[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      }
-    }
-    for (int b = 4; b < (BITS == 8 ? 4 : BITS); ++b) {  // plane b: word c's bit i is byte i's
-      const __m512i value = _mm512_set1_epi8(static_cast<char>(1 << b));
-      for (int c = 0; c < 8; ++c) {
-        uint64_t bits;
-        std::memcpy(&bits, u + 256 + 64 * (b - 4) + 8 * c, 8);
-        chunk[c] = _mm512_mask_add_epi8(chunk[c], _cvtu64_mask64(bits), chunk[c], value);
-      }
-    }
+    unpack<WIDE ? 8 : BITS>(w + g * unit_bytes(WIDE ? 8 : BITS), chunk);
     if constexpr (std::is_same_v<S, Q6>) {  // each half: acc = fma(D - 32 S, s dx, acc)
       const __m512 s0 = q6_scales16(d, g, 0), s1 = q6_scales16(d, g, 1);
+#pragma GCC unroll 16
       for (int t = 0; t < MT; ++t) {
         const int64_t r = first + t;
         const int8_t* p = a.p + r * a.kp + g * G;
         const int32_t* sums = a.halves + (r * groups + g) * 2;
-        __m512i lo = _mm512_set1_epi32(-32 * sums[0]), hi = _mm512_set1_epi32(-32 * sums[1]);
+        __m512i lo = _mm512_set1_epi32(sums[0]), hi = _mm512_set1_epi32(sums[1]);
         for (int c = 0; c < 4; ++c) lo = dpbusd512(lo, chunk[c], _mm512_set1_epi32(word(p + 4 * c)));
         for (int c = 4; c < 8; ++c) hi = dpbusd512(hi, chunk[c], _mm512_set1_epi32(word(p + 4 * c)));
         const __m512 dx = _mm512_set1_ps(a.dx[r * groups + g]);
@@ -153,11 +175,15 @@ inline void tile(const uint8_t* w, const uint8_t* d, const uint8_t* m, const Act
       continue;
     }
     const __m512 dg = params16<S>(d, g), mg = params16<S>(m, g);
+#pragma GCC unroll 16
     for (int t = 0; t < MT; ++t) {
       const int64_t r = first + t;
       const int8_t* p = a.p + r * a.kp + g * G;
-      __m512i dot = _mm512_setzero_si512();
-      for (int c = 0; c < 8; ++c) dot = dpbusd512(dot, chunk[c], _mm512_set1_epi32(word(p + 4 * c)));
+      // D as two chains of 4 products (half the dependent latency; integer sums, D exact)
+      __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) lo = dpbusd512(lo, chunk[c], _mm512_set1_epi32(word(p + 4 * c)));
+      for (int c = 4; c < 8; ++c) hi = dpbusd512(hi, chunk[c], _mm512_set1_epi32(word(p + 4 * c)));
+      const __m512i dot = _mm512_add_epi32(lo, hi);
       const __m512 scale = _mm512_mul_ps(dg, _mm512_set1_ps(a.dx[r * groups + g]));
       acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[t]);
       acc[t] = _mm512_fmadd_ps(mg, _mm512_set1_ps(a.sx[r * groups + g]), acc[t]);
@@ -171,42 +197,61 @@ inline void tile(const uint8_t* w, const uint8_t* d, const uint8_t* m, const Act
   }
 }
 #else
+// One tile's group u -> half `half`'s 8 chunks of codes as bytes (as the 512-bit path's).
+template <int BITS>
+inline void unpack(const uint8_t* u, int half, __m256i chunk[8]) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int c = 0; c < (BITS == 8 ? 8 : 4); ++c) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 64 * c + 32 * half));
+    if constexpr (BITS == 8) {
+      chunk[c] = v;
+    } else {
+      chunk[c] = _mm256_and_si256(v, low);
+      chunk[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    }
+  }
+  for (int b = 4; b < (BITS == 8 ? 4 : BITS); ++b) {  // this half's 32 bits of word c
+    for (int c = 0; c < 8; ++c) {
+      uint32_t bits;
+      std::memcpy(&bits, u + 256 + 64 * (b - 4) + 8 * c + 4 * half, 4);
+      chunk[c] = _mm256_or_si256(chunk[c], plane_bytes(bits, static_cast<char>(1 << b)));
+    }
+  }
+}
+
+template <int BITS>
+inline void widen(const uint8_t* w, int64_t groups, uint8_t* out) {
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int half = 0; half < 2; ++half) {
+      __m256i chunk[8];
+      unpack<BITS>(w + g * unit_bytes(BITS), half, chunk);
+      for (int c = 0; c < 8; ++c) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 512 * g + 64 * c + 32 * half),
+                            chunk[c]);
+      }
+    }
+  }
+}
+
 // 256 bits: the tile as two halves of 8 rows, each the same steps as the 512-bit path's lanes.
-template <int BITS, int MT, typename S>
+// (BITS: the codes' values, what dot_add needs; WIDE: stored as `widen`'s 8-bit units.)
+template <int BITS, int MT, typename S, bool WIDE>
 inline void tile(const uint8_t* w, const uint8_t* d, const uint8_t* m, const Activations& a,
                  int64_t first, float* y, int64_t ldy, int64_t width, const float* bias) {
   const int64_t groups = a.kp / G;
-  constexpr int64_t unit = unit_bytes(BITS);
-  const __m256i low = _mm256_set1_epi8(0x0F);
   for (int half = 0; half < 2 && 8 * half < width; ++half) {
     __m256 acc[MT];
     for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-      const uint8_t* u = w + g * unit + 32 * half;
       __m256i chunk[8];
-      for (int c = 0; c < (BITS == 8 ? 8 : 4); ++c) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 64 * c));
-        if constexpr (BITS == 8) {
-          chunk[c] = v;
-        } else {
-          chunk[c] = _mm256_and_si256(v, low);
-          chunk[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        }
-      }
-      for (int b = 4; b < (BITS == 8 ? 4 : BITS); ++b) {  // this half's 32 bits of word c
-        for (int c = 0; c < 8; ++c) {
-          uint32_t bits;
-          std::memcpy(&bits, w + g * unit + 256 + 64 * (b - 4) + 8 * c + 4 * half, 4);
-          chunk[c] = _mm256_or_si256(chunk[c], plane_bytes(bits, static_cast<char>(1 << b)));
-        }
-      }
+      unpack<WIDE ? 8 : BITS>(w + g * unit_bytes(WIDE ? 8 : BITS), half, chunk);
       if constexpr (std::is_same_v<S, Q6>) {  // as the 512-bit path
         const __m256 s0 = q6_scales8(d, g, 0, half), s1 = q6_scales8(d, g, 1, half);
         for (int t = 0; t < MT; ++t) {
           const int64_t r = first + t;
           const int8_t* p = a.p + r * a.kp + g * G;
           const int32_t* sums = a.halves + (r * groups + g) * 2;
-          __m256i lo = _mm256_set1_epi32(-32 * sums[0]), hi = _mm256_set1_epi32(-32 * sums[1]);
+          __m256i lo = _mm256_set1_epi32(sums[0]), hi = _mm256_set1_epi32(sums[1]);
           for (int c = 0; c < 4; ++c) {
             lo = dot_add<BITS>(lo, chunk[c], _mm256_set1_epi32(word(p + 4 * c)));
             hi = dot_add<BITS>(hi, chunk[c + 4], _mm256_set1_epi32(word(p + 4 * c + 16)));
@@ -241,13 +286,39 @@ inline void tile(const uint8_t* w, const uint8_t* d, const uint8_t* m, const Act
 }
 #endif
 
+// Rows [r0, r1) against one tile, kMaxRowTile at a time.
+template <int BITS, typename S, bool WIDE>
+void tile_rows(const uint8_t* codes, const uint8_t* d, const uint8_t* m, const Activations& a,
+               int64_t r0, int64_t r1, float* out, int64_t ldy, int64_t width,
+               const float* bias) {
+  int64_t r = r0;
+  for (; r + kMaxRowTile <= r1; r += kMaxRowTile) {
+    tile<BITS, kMaxRowTile, S, WIDE>(codes, d, m, a, r, out, ldy, width, bias);
+  }
+  switch (r1 - r) {
+    case 7: tile<BITS, 7, S, WIDE>(codes, d, m, a, r, out, ldy, width, bias); break;
+    case 6: tile<BITS, 6, S, WIDE>(codes, d, m, a, r, out, ldy, width, bias); break;
+    case 5: tile<BITS, 5, S, WIDE>(codes, d, m, a, r, out, ldy, width, bias); break;
+    case 4: tile<BITS, 4, S, WIDE>(codes, d, m, a, r, out, ldy, width, bias); break;
+    case 3: tile<BITS, 3, S, WIDE>(codes, d, m, a, r, out, ldy, width, bias); break;
+    case 2: tile<BITS, 2, S, WIDE>(codes, d, m, a, r, out, ldy, width, bias); break;
+    case 1: tile<BITS, 1, S, WIDE>(codes, d, m, a, r, out, ldy, width, bias); break;
+    default: break;
+  }
+}
+
 template <int BITS, typename S>
 void matmul(const QuantizedMatrix& w, const Activations& a, int64_t num_rows, float* y,
             int64_t ldy) {
   const int64_t groups = a.kp / G;
   const int64_t tile_bytes = groups * unit_bytes(BITS);
   const int64_t num_tiles = (w.rows + kTile - 1) / kTile;
+  // 5- and 6-bit codes for more than one block of rows: the tile's planes widened to bytes
+  // once (the 8-bit unit's layout, the same integers) and read by every block of rows, not
+  // unpacked again per block. 4-bit codes cost two instructions a chunk to unpack: kept as is.
+  const bool wide = (BITS == 5 || BITS == 6) && num_rows > kMaxRowTile;
   at::parallel_for(0, num_tiles, 1, [&](int64_t t0, int64_t t1) {
+    thread_local std::vector<uint8_t> widened;  // [groups, 512]: one tile's codes as bytes
     for (int64_t i = t0; i < t1; ++i) {
       const uint8_t* codes = w.codes + i * tile_bytes;
       const uint8_t* d = static_cast<const uint8_t*>(w.d) + i * tile_param_bytes<S>(groups);
@@ -255,19 +326,12 @@ void matmul(const QuantizedMatrix& w, const Activations& a, int64_t num_rows, fl
       const int64_t width = std::min(kTile, w.rows - i * kTile);
       const float* bias = w.bias ? w.bias + i * kTile : nullptr;
       float* out = y + i * kTile;
-      int64_t r = 0;
-      for (; r + kMaxRowTile <= num_rows; r += kMaxRowTile) {
-        tile<BITS, kMaxRowTile, S>(codes, d, m, a, r, out, ldy, width, bias);
-      }
-      switch (num_rows - r) {
-        case 7: tile<BITS, 7, S>(codes, d, m, a, r, out, ldy, width, bias); break;
-        case 6: tile<BITS, 6, S>(codes, d, m, a, r, out, ldy, width, bias); break;
-        case 5: tile<BITS, 5, S>(codes, d, m, a, r, out, ldy, width, bias); break;
-        case 4: tile<BITS, 4, S>(codes, d, m, a, r, out, ldy, width, bias); break;
-        case 3: tile<BITS, 3, S>(codes, d, m, a, r, out, ldy, width, bias); break;
-        case 2: tile<BITS, 2, S>(codes, d, m, a, r, out, ldy, width, bias); break;
-        case 1: tile<BITS, 1, S>(codes, d, m, a, r, out, ldy, width, bias); break;
-        default: break;
+      if (wide) {
+        widened.resize(groups * unit_bytes(8));
+        widen<BITS>(codes, groups, widened.data());
+        tile_rows<BITS, S, true>(widened.data(), d, m, a, 0, num_rows, out, ldy, width, bias);
+      } else {
+        tile_rows<BITS, S, false>(codes, d, m, a, 0, num_rows, out, ldy, width, bias);
       }
     }
   });
