@@ -15,8 +15,8 @@ generates the answer; the answer joins the conversation for the next turn.
 Modes, each its own engine: none (no speculation), ngram (prompt lookup, the engine's default k
 and adaptive planner), suffix (spec.suffix: the request's own text and its tenant's finished
 requests, the default cap of 15 drafts, adaptive); `--modes` adds ngram-k15 (n-gram with
-suffix's cap, to show what the longer cap alone buys). Every run is a new tenant (its own cache_salt): nothing of
-an earlier run, neither KV blocks nor suffix text, helps a later one.
+suffix's cap, to show what the longer cap alone buys). Every run is a new tenant (its own
+cache_salt): nothing of an earlier run, neither KV blocks nor suffix text, helps a later one.
 
 Timed: the decode phase of every turn (first token to last: what speculation changes; prefill
 is the same in every mode), summed over the conversation; tokens/s = (output tokens - 1 per
