@@ -68,9 +68,12 @@ class EngineConfig:
     async_scheduling: bool | None = None
     seed: int = 0  # engine generator for unseeded random sampling
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
-    # Speculative decoding: "ngram" (prompt lookup) or "draft" (a draft model; setting
-    # draft_model alone implies it). num_speculative_tokens is the default k per request
-    # (SamplingParams.num_speculative_tokens overrides it; 0 turns speculation off for one).
+    # Speculative decoding: "ngram" (prompt lookup), "suffix" (suffix decoding over the
+    # request's own text and its tenant's recent text: spec.suffix) or "draft" (a draft model;
+    # setting draft_model alone implies it; with "suffix", suffix drafts where they score and the
+    # draft model for the rest). num_speculative_tokens is the default k per request (None: 15
+    # for "suffix", else 4; SamplingParams.num_speculative_tokens overrides it; 0 turns
+    # speculation off for one).
     # adaptive_speculation: num_speculative_tokens becomes a cap, and each step every request
     # without its own k gets the k that maximises the expected tokens per second (spec.adaptive).
     speculative_method: str | None = None
@@ -82,10 +85,17 @@ class EngineConfig:
     # "dynamic-int8" (per-channel int8 weights, activations quantized per call; CPU float32:
     # engine.models.quant) or None (dense).
     draft_quantization: str | None = "auto"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int | None = None
     adaptive_speculation: bool = True
     ngram_min: int = 2
     ngram_max: int = 4
+    # Suffix decoding (vLLM's suffix_decoding_* knobs): the longest context matched, the most
+    # drafts per matched token, the least probability a draft may have, and the tokens of
+    # finished requests' text kept over all tenants (the oldest evicted first).
+    suffix_max_tree_depth: int = 24
+    suffix_max_spec_factor: float = 1.0
+    suffix_min_token_prob: float = 0.1
+    suffix_max_cached_tokens: int = 1 << 20
     # Structured outputs (xgrammar): compiled grammars kept (LRU, by count and by bytes), the
     # longest a compile may run (in a worker process, killed past it) and how many run at once,
     # the largest JSON schema accepted (nesting depth, number of JSON values), and whether
@@ -175,7 +185,8 @@ def _is_device(v) -> bool:
 _POSITIVE = "must be a positive integer"
 _POSITIVE_INTS = """block_size max_num_seqs max_num_batched_tokens max_loras max_lora_rank
 grammar_cache_size grammar_cache_bytes grammar_compile_workers grammar_max_schema_depth
-grammar_max_schema_nodes""".split()  # noqa: SIM905 (names to check alike)
+grammar_max_schema_nodes suffix_max_tree_depth suffix_max_cached_tokens""".split()  # noqa: SIM905 (names to check alike)
+_METHOD = "must be 'ngram', 'suffix', 'draft' or None"
 _STEP_MS = "must be a number of milliseconds in (0, 600000] or None"
 _RULES: list[Rule] = [
     *((name, int_in(1), _POSITIVE) for name in _POSITIVE_INTS),
@@ -185,7 +196,7 @@ _RULES: list[Rule] = [
     ("num_kv_blocks", int_in(2, optional=True), "must be an integer >= 2 or None"),
     ("num_threads", int_in(1, optional=True), _POSITIVE + " or None"),
     ("tensor_parallel_size", int_in(1, 64), "must be an integer in [1, 64]"),
-    ("speculative_method", one_of(None, "ngram", "draft"), "must be 'ngram', 'draft' or None"),
+    ("speculative_method", one_of(None, "ngram", "suffix", "draft"), _METHOD),
     ("quantization", one_of(*QUANTIZATIONS), f"must be one of {QUANTIZATIONS}"),
     (
         "draft_quantization",
@@ -194,9 +205,11 @@ _RULES: list[Rule] = [
     ),
     (
         "num_speculative_tokens",
-        int_in(0, MAX_SPECULATIVE_TOKENS),
-        f"must be an integer in [0, {MAX_SPECULATIVE_TOKENS}]",
+        int_in(0, MAX_SPECULATIVE_TOKENS, optional=True),
+        f"must be an integer in [0, {MAX_SPECULATIVE_TOKENS}] or None",
     ),
+    ("suffix_max_spec_factor", number_in(0, 1e3, low_open=True), "must be in (0, 1000]"),
+    ("suffix_min_token_prob", number_in(0.0, 1.0), "must be in [0, 1]"),
     ("ngram_min", int_in(1), "must be an integer >= 1 (and <= ngram_max)"),
     ("ngram_max", int_in(1), "must be an integer >= 1 (and >= ngram_min)"),
     ("max_cpu_loras", int_in(1, optional=True), "must be an integer >= max_loras or None"),

@@ -85,8 +85,16 @@ def add_server_args(parser: argparse.ArgumentParser, port: int) -> None:
         help="auto: a GGUF model runs its own quantized blocks on CPU; none: dense, exact",
     )
     parser.add_argument("--draft-model", default=None, help='a model, or "self"')
-    parser.add_argument("--speculative-method", choices=["ngram", "draft"], default=None)
-    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument(
+        "--speculative-method",
+        choices=["ngram", "suffix", "draft"],
+        default=None,
+        help="suffix: drafts from the request's and its tenant's earlier text (with --draft-model"
+        ": the draft model where suffix drafts score low)",
+    )
+    parser.add_argument(
+        "--num-speculative-tokens", type=int, default=None, help="default: 15 suffix, else 4"
+    )
     parser.add_argument("--no-adaptive-speculation", action="store_true")
     parser.add_argument(
         "--lora", action="append", default=[], metavar="NAME=PATH", help="a PEFT adapter dir"

@@ -35,9 +35,12 @@ class DraftModelProposer:
         self.logits_masker = None  # the engine's grammar masks, once a request is constrained
 
     @torch.inference_mode()
-    def propose(self, sched: SchedulerOutput, tables: dict[Request, list[int]]) -> None:
+    def propose(
+        self, sched: SchedulerOutput, tables: dict[Request, list[int]], skip=frozenset()
+    ) -> None:
+        """Drafts for every request with slots left but those in skip (they lag)."""
         self.runner.copy_blocks(sched.block_copies)
-        wanting = list(drafts_wanted(sched))  # (request, its drafts so far, drafts to add)
+        wanting = list(drafts_wanted(sched, skip))  # (request, its drafts so far, drafts to add)
         if not wanting:
             return
         items, last_rows, row = [], [], 0

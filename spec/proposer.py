@@ -35,12 +35,12 @@ class ForcedTokens(Protocol):
         ...
 
 
-def drafts_wanted(sched: SchedulerOutput):
+def drafts_wanted(sched: SchedulerOutput, skip=frozenset()):
     """(request, its drafts so far, drafts still to propose) for every request with draft
-    slots left; the proposer extends the list in place."""
+    slots left, but those in skip; the proposer extends the list in place."""
     for request, _, k in sched.scheduled():
         drafts = sched.drafts.setdefault(request, []) if k else []
-        if k > len(drafts):
+        if k > len(drafts) and request not in skip:
             yield request, drafts, k - len(drafts)
 
 

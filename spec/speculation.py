@@ -21,6 +21,9 @@ from spec.draft_model import DraftModelProposer
 from spec.prediction import Prediction, prediction_ids
 from spec.proposer import ForcedTokens, NgramProposer, Proposer
 from spec.stats import SpecStats
+from spec.suffix import SuffixProposer
+
+DEFAULT_K = 4  # drafts per step for n-gram and draft models (suffix: MAX_SPECULATIVE_TOKENS)
 
 
 class Speculation:
@@ -47,10 +50,16 @@ class Speculation:
     def use_grammar(self, grammar, forced_tokens: bool) -> None:
         """A grammar now constrains some requests: the draft model proposes only what it allows;
         with forced_tokens, what it allows alone rides in the draft slots."""
-        if isinstance(self.proposer, DraftModelProposer):
-            self.proposer.logits_masker = grammar.mask
+        if self.draft_model is not None:
+            self.draft_model.logits_masker = grammar.mask
         if forced_tokens and self.forced_tokens is None:
             self.force_with(grammar)
+
+    @property
+    def draft_model(self) -> DraftModelProposer | None:
+        """The draft model's proposer, alone or after suffix drafts."""
+        proposer = getattr(self.proposer, "fallback", self.proposer)
+        return proposer if isinstance(proposer, DraftModelProposer) else None
 
     def force_with(self, forcer: ForcedTokens) -> None:
         """Tokens `forcer` knows ride in the draft slots from now on."""
@@ -182,8 +191,7 @@ class Speculation:
         self.seconds["draft"] += t1 - t0
         self.seconds["verify"] += t2 - t1
         num_tokens, num_drafts = sched.total_tokens, sum(sched.num_drafts)
-        drafted = isinstance(self.proposer, DraftModelProposer)
-        pass_times = self.proposer.pass_times if drafted else []
+        pass_times = self.draft_model.pass_times if self.draft_model is not None else []
         if self.adaptive is not None:
             self.adaptive.target.observe(num_tokens, t2 - t1)
             for rows, seconds in pass_times:
@@ -231,13 +239,24 @@ class Speculation:
 
 def build_speculation(config: EngineConfig, draft_runner: ModelRunner | None) -> Speculation:
     """The engine's speculation for its config: a draft model's proposer (draft_runner), the
-    n-gram proposer, or none (grammar-forced tokens may still ride as drafts)."""
+    n-gram proposer, the suffix proposer (before the draft model's, with both), or none
+    (grammar-forced tokens may still ride as drafts)."""
     proposer: Proposer | None = None
     if draft_runner is not None:
         proposer = DraftModelProposer(draft_runner)
     elif config.spec_method == "ngram":
         proposer = NgramProposer(config.ngram_min, config.ngram_max)
+    k = config.num_speculative_tokens
+    if config.spec_method == "suffix":
+        proposer = SuffixProposer(
+            config.suffix_max_tree_depth,
+            config.suffix_max_spec_factor,
+            min_token_prob=config.suffix_min_token_prob,
+            max_cached_tokens=config.suffix_max_cached_tokens,
+            fallback=proposer,
+        )
+        k = MAX_SPECULATIVE_TOKENS if k is None else k
     adaptive = None
     if proposer is not None and config.adaptive_speculation:
         adaptive = AdaptiveSpeculation(uses_draft_model=draft_runner is not None)
-    return Speculation(proposer, config.num_speculative_tokens, adaptive)
+    return Speculation(proposer, DEFAULT_K if k is None else k, adaptive)

@@ -168,7 +168,7 @@ class EngineModels:
     path: Path  # the target's directory
     model: CausalLM
     cfg: ModelConfig
-    draft: tuple[CausalLM, ModelConfig] | None  # with spec_method="draft"
+    draft: tuple[CausalLM, ModelConfig] | None  # with a draft_model
     tokenizer: PreTrainedTokenizerBase
     eos_token_ids: set[int]  # the generation config's and the tokenizer's
     shard_cfg: ModelConfig  # the shape of this rank's shard of the target (cfg on one rank)
@@ -213,14 +213,14 @@ def target_path(config: EngineConfig) -> Path:
 
 def load_engine_models(config: EngineConfig, group=None) -> EngineModels:
     """The target model (with a tensor-parallel group, rank 0's shard) and, with
-    spec_method="draft", the draft model (whole, on rank 0), as the config says."""
+    a draft_model, the draft model (whole, on rank 0), as the config says."""
     device, dtype = config.torch_device, config.torch_dtype
     model, cfg, path = load_target(config, group)
     shard_cfg = cfg if group is None else local_config(cfg, group.world)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     eos = read_generation_eos(path) | {tokenizer.eos_token_id} - {None}
     target_kv = kv_cache.kv_cache_format(config.kv_cache_dtype, model)
-    if config.spec_method != "draft":
+    if not config.draft_model:  # (alone, or after suffix drafts)
         return EngineModels(path, model, cfg, None, tokenizer, eos, shard_cfg, (target_kv, None))
     dense = needs_dense(config.draft_quantization, device)
     draft_path = path if config.draft_model == "self" else resolve_model(config.draft_model, dense)

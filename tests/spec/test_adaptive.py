@@ -194,11 +194,16 @@ def generate(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "draft", "suffix", "suffix+draft"])
 def test_adaptive_is_lossless(tiny_llama, draft_model, method):
     prompts = repetitive_prompts(24) + [[i % 250 + 1 for i in range(j, j + 30)] for j in range(8)]
     want = generate(LLM(str(tiny_llama), num_kv_blocks=256), prompts)
-    args = {"ngram": {"speculative_method": "ngram"}, "draft": {"draft_model": str(draft_model)}}
+    args = {
+        "ngram": {"speculative_method": "ngram"},
+        "draft": {"draft_model": str(draft_model)},
+        "suffix": {"speculative_method": "suffix"},
+        "suffix+draft": {"speculative_method": "suffix", "draft_model": str(draft_model)},
+    }
     for max_num_seqs in (1, 32):
         llm = LLM(str(tiny_llama), num_kv_blocks=256, max_num_seqs=max_num_seqs, **args[method])
         assert generate(llm, prompts) == want
