@@ -468,11 +468,12 @@ def on_tandem_kernel(linears) -> bool:
                for m in linears)  # fmt: skip
 
 
-def layer_call(linears) -> tuple | None:
+def layer_call(linears, dense: bool = True) -> tuple | None:
     """The one C++ call that runs a decoder layer over its four projections (qkv, o, gate_up,
     down), and the operands their weight formats give it: fused_layer over the quantized
     kernel's tiles (no MLP bias), dense_layer over CPU float32 weights, plain or oneDNN-packed
-    (any biases). None where the formats share no such call or the C++ kernels cannot run."""
+    (any biases; dense=False: none, as under the Triton backend, whose kernels attend dense
+    layers' rows). None where the formats share no such call or the C++ kernels cannot run."""
     formats = [m.format for m in linears]
     if on_tandem_kernel(linears):
         if formats[2].bias is not None:
@@ -482,7 +483,7 @@ def layer_call(linears) -> tuple | None:
         bits = [f.bits for f in formats]
         return torch.ops.tandem_cpu.fused_layer, (weights, bits, sizes, formats[0].bias)
     operands = [getattr(f, "layer_operands", lambda: None)() for f in formats]
-    if any(o is None or o[0] != "dense" for o in operands):
+    if not dense or any(o is None or o[0] != "dense" for o in operands):
         return None
     from kernels import cpu  # (built on first use, as for the quantized layers)
 
@@ -508,9 +509,10 @@ class DecoderLayer(nn.Module):
         self.whole = parallel.world == 1  # a tensor-parallel layer sums between its halves
         self.fused: tuple | None = None  # (the C++ layer op, its weight operands): layer_call
 
-    def fuse(self) -> bool:
+    def fuse(self, dense: bool = True) -> bool:
         """Whether every row can run on the C++ kernels (see layer_call; SiLU MLPs)."""
-        self.fused = None if self.mlp.gelu else layer_call(projections(self.self_attn, self.mlp))
+        linears = projections(self.self_attn, self.mlp)
+        self.fused = None if self.mlp.gelu else layer_call(linears, dense)
         return self.fused is not None
 
     def forward(

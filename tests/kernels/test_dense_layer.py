@@ -97,13 +97,17 @@ def test_dense_layer_computes_the_torch_reference_layer(tmp_path, arch):
     assert not torch.allclose(unrotated, want, rtol=1e-3, atol=1e-3)
 
 
-def test_engine_runs_dense_weights_through_the_dense_layer(tiny_qwen2):
+def test_engine_runs_dense_weights_through_the_dense_layer_on_the_torch_backend(tiny_qwen2):
     from engine import LLM
 
     llm = LLM(str(tiny_qwen2), quantization=None, num_kv_blocks=16)
     model = llm.engine.runner.model
     assert model.fused_layers
     assert all(layer.fused[0] == torch.ops.tandem_cpu.dense_layer for layer in model.layers)
+    # The Triton backend (its interpreter here) attends the rows itself: no C++ layers.
+    triton = LLM(str(tiny_qwen2), quantization=None, num_kv_blocks=16, attention_backend="triton")
+    model = triton.engine.runner.model
+    assert not model.fused_layers and all(layer.fused is None for layer in model.layers)
 
 
 def test_adapter_steps_compose_the_pieces_and_equal_peft(tmp_path, tiny_llama):
