@@ -18,8 +18,13 @@ from models import make_tiny_model
 pytestmark = pytest.mark.skipif(not tandem_kernel_available(), reason="no C++ kernel")
 
 BLOCK = 4
-# Three requests: a prompt of 9 tokens, a decode token at 1, a chunk of 6 over 8 cached tokens.
-SEQ_LENS, QUERY_LENS, TABLES = [9, 1, 14], [9, 1, 6], [[1, 2, 3], [4], [5, 6, 7, 8]]
+# Three requests: a prompt of 9 tokens, a decode token at 1, a chunk of 6 over 8 cached tokens
+# (16 rows); or those and a chunk of 30 over 15 cached tokens (46 rows: the packed GEMM pads
+# them to 48).
+STEPS = {
+    16: ([9, 1, 14], [9, 1, 6], [[1, 2, 3], [4], [5, 6, 7, 8]]),
+    46: ([9, 1, 14, 45], [9, 1, 6, 30], [[1, 2, 3], [4], [5, 6, 7, 8], list(range(9, 21))]),
+}
 
 
 def step_inputs(model, seq_lens, query_lens, tables, seed: int = 0):
@@ -44,13 +49,14 @@ def dense_model(tmp_path, arch: str, packed: bool, **kw):
     return model, cfg
 
 
+@pytest.mark.parametrize("num_rows", [16, 46])
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain"])
 @pytest.mark.parametrize(
     ("arch", "kw"),
     [("qwen2", {}), ("qwen3", {}), ("llama", {"mlp_bias": True})],
     ids=["qkv-bias", "head-norms", "mlp-bias"],
 )
-def test_dense_layer_equals_its_pieces_composed(tmp_path, arch, kw, packed):
+def test_dense_layer_equals_its_pieces_composed(tmp_path, arch, kw, packed, num_rows):
     """The one call and the pieces composed from Python: the same hidden states and caches,
     bit for bit, over rows of a prompt, a decode token and a chunk after cached tokens."""
     if packed and not onednn_linear_available():
@@ -63,9 +69,11 @@ def test_dense_layer_equals_its_pieces_composed(tmp_path, arch, kw, packed):
     assert layer.fused[0] == torch.ops.tandem_cpu.dense_layer
     biases = layer.fused[1][1]
     assert (biases[0] is not None) == cfg.qkv_bias and (biases[2] is not None) == cfg.mlp_bias
-    x, cos, sin, slots = step_inputs(model, SEQ_LENS, QUERY_LENS, TABLES)
-    meta = row_metadata(SEQ_LENS, QUERY_LENS, TABLES, slots, BLOCK)
-    caches = torch.randn(2, cfg.num_kv_heads, 9, BLOCK, cfg.head_dim)  # earlier tokens' K, V
+    seq_lens, query_lens, tables = STEPS[num_rows]
+    x, cos, sin, slots = step_inputs(model, seq_lens, query_lens, tables)
+    assert x.shape[0] == num_rows
+    meta = row_metadata(seq_lens, query_lens, tables, slots, BLOCK)
+    caches = torch.randn(2, cfg.num_kv_heads, 21, BLOCK, cfg.head_dim)  # earlier tokens' K, V
     fused_cache, composed_cache = caches.clone(), caches.clone()
     fused = layer(x.clone(), cos, sin, fused_cache, meta)
     call, layer.fused = layer.fused, None  # the pieces
