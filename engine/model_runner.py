@@ -210,6 +210,8 @@ class ModelRunner:
         self.windows = cfg.windows  # the layers' distinct attention windows
         self.block_size = block_size
         self.backend = backend  # the torch references or the Triton kernels
+        if backend.name != "torch":  # Triton attends a dense model's rows, not the C++ layers
+            model.fuse(dense=False)
         weight = model.norm.weight  # (packed or quantized layers keep no dense weight)
         self.device, self.dtype = weight.device, weight.dtype
         # [num_layers, 2 (K, V), Hkv, num_blocks, block_size, D] (int8: D + D / 8 bytes a row)

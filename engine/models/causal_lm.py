@@ -130,9 +130,10 @@ class CausalLM(nn.Module):
         if tied:
             self._tie_quantized(dense.dtype)
 
-    def fuse(self) -> bool:
+    def fuse(self, dense: bool = True) -> bool:
         """Every row through the C++ kernels where every layer can (float32, projections on
-        the tandem kernel): see the layers' fuse."""
+        the tandem kernel or dense on CPU; dense=False: not dense ones): see the layers'
+        fuse."""
         fp32 = self.norm.weight.dtype == torch.float32
-        self.fused_layers = fp32 and all([layer.fuse() for layer in self.layers])
+        self.fused_layers = fp32 and all([layer.fuse(dense) for layer in self.layers])
         return self.fused_layers

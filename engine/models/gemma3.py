@@ -73,7 +73,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg, index, parallel)
         self.rope = "local" if self.self_attn.window else "global"
 
-    def fuse(self) -> bool:
+    def fuse(self, dense: bool = True) -> bool:
         """Whether the rows can run on the C++ pieces: every projection on the tandem kernel."""
         return on_tandem_kernel(projections(self.self_attn, self.mlp))
 

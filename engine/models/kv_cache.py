@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import KV_DTYPES as KV_CACHE_DTYPES
+from engine.models.quantized import QuantizedLinear as Quantized
 from kernels.kv_int8 import row_bytes
 
 _FLOATS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -36,14 +37,15 @@ def kv_cache_format(kv_cache_dtype: str, model, strict: bool = True) -> torch.dt
     if kv_cache_dtype == "auto":
         return dtype
     if kv_cache_dtype == "int8":
-        if model.fused_layers:
+        if model.fused_layers and isinstance(model.layers[0].self_attn.qkv_proj.format, Quantized):
             return torch.int8
         if not strict:
             return dtype
         raise ValueError(
-            "kv_cache_dtype='int8' is read by the C++ CPU layers only (a GGUF model on CPU in "
-            "float32, as the embedded models run by default); this model attends in torch or "
-            "Triton, whose kernels read float caches"
+            "kv_cache_dtype='int8' is read by the C++ CPU layers over quantized weights only (a "
+            "GGUF model on CPU in float32, as the embedded models run by default); this model "
+            "attends in torch or Triton, or has dense weights (the exact reference, whose cache "
+            "stays float)"
         )
     if _FLOATS[kv_cache_dtype] != dtype:
         raise ValueError(

@@ -66,6 +66,14 @@ class Dense(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
+    def layer_operands(self) -> tuple[str, tuple] | None:
+        """What the one-call C++ layer takes of this projection: ("dense", (weight, bias))
+        for a CPU float32 weight (kernels/cpu/dense_layer.cpp runs F.linear over it)."""
+        w = self.weight
+        if w.device.type != "cpu" or w.dtype != torch.float32:
+            return None
+        return "dense", (w, self.bias)
+
     def packed(self) -> Packed:
         return Packed(self.weight.detach(), self.bias)
 
@@ -98,6 +106,9 @@ class Packed(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")[
             :num_rows
         ]
+
+    def layer_operands(self) -> tuple[str, tuple]:  # (dense_layer.cpp pads rows as above)
+        return "dense", (self.weight, self.bias)
 
 
 class DynamicInt8(nn.Module):
@@ -457,10 +468,37 @@ def on_tandem_kernel(linears) -> bool:
                for m in linears)  # fmt: skip
 
 
+def layer_call(linears, dense: bool = True) -> tuple | None:
+    """The one C++ call that runs a decoder layer over its four projections (qkv, o, gate_up,
+    down), and the operands their weight formats give it: fused_layer over the quantized
+    kernel's tiles (no MLP bias), dense_layer over CPU float32 weights, plain or oneDNN-packed
+    (any biases; dense=False: none, as under the Triton backend, whose kernels attend dense
+    layers' rows). None where the formats share no such call or the C++ kernels cannot run."""
+    formats = [m.format for m in linears]
+    if on_tandem_kernel(linears):
+        if formats[2].bias is not None:
+            return None
+        weights = [t for f in formats for t in (f.codes, f.scales, f.offsets)]
+        sizes = [f.out_features for f in formats]
+        bits = [f.bits for f in formats]
+        return torch.ops.tandem_cpu.fused_layer, (weights, bits, sizes, formats[0].bias)
+    operands = [getattr(f, "layer_operands", lambda: None)() for f in formats]
+    if not dense or any(o is None or o[0] != "dense" for o in operands):
+        return None
+    from kernels import cpu  # (built on first use, as for the quantized layers)
+
+    if cpu.load() is None:
+        return None
+    weights, biases = zip(*(o[1] for o in operands), strict=True)
+    return torch.ops.tandem_cpu.dense_layer, (list(weights), list(biases))
+
+
 class DecoderLayer(nn.Module):
     """The pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). A layer whose
-    projections are all on the C++ quantized kernel runs a step without adapters as one C++
-    call (kernels/cpu/fused_layer.cpp), the same numbers as its pieces composed here."""
+    projections' formats have a C++ layer (layer_call: the quantized kernel's, or CPU float32
+    weights) runs a step without adapters as one C++ call (kernels/cpu/fused_layer.cpp,
+    dense_layer.cpp), the same numbers as its pieces composed here; a step with adapters
+    composes those pieces around the adapters' products."""
 
     def __init__(self, cfg: ModelConfig, index: int, parallel: Parallel):
         super().__init__()
@@ -469,20 +507,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg, index, parallel)
         self.whole = parallel.world == 1  # a tensor-parallel layer sums between its halves
-        self.fused: tuple | None = None  # fuse()'s arguments for the one C++ call
+        self.fused: tuple | None = None  # (the C++ layer op, its weight operands): layer_call
 
-    def fuse(self) -> bool:
-        """Whether every row can run on the C++ kernels: every projection on the tandem kernel
-        (CPU) and no MLP bias."""
+    def fuse(self, dense: bool = True) -> bool:
+        """Whether every row can run on the C++ kernels (see layer_call; SiLU MLPs)."""
         linears = projections(self.self_attn, self.mlp)
-        formats = [m.format for m in linears]
-        if not on_tandem_kernel(linears) or formats[2].bias is not None:
-            self.fused = None
-            return False
-        weights = [t for f in formats for t in (f.codes, f.scales, f.offsets)]
-        sizes = [f.out_features for f in formats]
-        self.fused = (weights, [f.bits for f in formats], sizes, formats[0].bias)
-        return True
+        self.fused = None if self.mlp.gelu else layer_call(linears, dense)
+        return self.fused is not None
 
     def forward(
         self,
@@ -501,10 +532,10 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x, rows), rows, lora)
 
     def _fused(self, x, cos, sin, kv_cache, meta: RowAttention) -> torch.Tensor:  # x updated
-        weights, bits, sizes, qkv_bias = self.fused
+        op, weights = self.fused
         attn = self.self_attn
-        torch.ops.tandem_cpu.fused_layer(
-            x, weights, bits, sizes, qkv_bias, self.input_layernorm.weight,
+        op(
+            x, *weights, self.input_layernorm.weight,
             self.post_attention_layernorm.weight, self.input_layernorm.eps, cos, sin,
             kv_cache[0], kv_cache[1], meta.slot_mapping, meta.block_tables, meta.row_tables,
             meta.seq_lens, attn.num_heads, attn.num_kv_heads, attn.scale, attn.window,

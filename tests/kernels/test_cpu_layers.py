@@ -187,7 +187,7 @@ def test_fused_layer_equals_its_pieces_composed(tmp_path, arch, kv_cache_dtype, 
                 f.codes, f.scales, f.offsets, f.bits, f.out_features, f.in_features, rows
             )
             linear.format = QuantizedLinear(QuantizedWeight.quantize(w, bits), f.bias)
-        assert layer.fuse() and layer.fused[1] == [bits] * 4
+        assert layer.fuse() and layer.fused[1][1] == [bits] * 4
     seq_lens, query_lens, tables = [9, 1, 14], [9, 1, 6], [[1, 2, 3], [4], [5, 6, 7, 8]]
     slots = [
         s
