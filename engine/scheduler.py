@@ -266,9 +266,9 @@ class Scheduler:
         if need > self.kv.pool.num_usable:
             raise ParamError(
                 "max_tokens",
-                f"request needs up to {need} KV blocks ({total} tokens x n={params.n}) but the "
-                f"pool has {self.kv.pool.num_usable}; lower max_tokens or n, or give the KV "
-                "cache more memory",
+                f"max_tokens={params.max_tokens} and n={params.n} need up to {need} KV blocks "
+                f"({total} tokens each) but the pool has {self.kv.pool.num_usable}; lower them "
+                "or give the KV cache more memory",
             )
 
     def finish(self, request: Request, status: RequestStatus) -> None:

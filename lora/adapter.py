@@ -15,6 +15,8 @@ import hashlib
 import json
 import math
 import re
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -130,8 +132,7 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> LoRAA
     if config.get("bias", "none") != "none":
         raise bad(f"bias={config['bias']!r} is not supported (only 'none')")
 
-    digest = hashlib.sha256(config_file.read_bytes())
-    digest.update(weights_file.read_bytes())
+    version = adapter_version(config_file, weights_file)
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     try:
         with safe_open(str(weights_file), framework="pt") as f:
@@ -178,4 +179,50 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> LoRAA
         rank = max(rank, r)
     if not weights:
         raise bad("no LoRA weights found")
-    return LoRAAdapter(request.name, str(path), digest.hexdigest()[:16], rank, weights)
+    return LoRAAdapter(request.name, str(path), version, rank, weights)
+
+
+# Versions already computed, by what the files' stats say (path, size, mtime, ctime, inode,
+# device of each): a load of unchanged files (a client loading and unloading an adapter over
+# HTTP in a loop) does not hash them again; any write changes the key (ctime cannot be set).
+_VERSIONS: OrderedDict[tuple, str] = OrderedDict()
+_VERSIONS_LOCK = threading.Lock()
+MAX_REMEMBERED_VERSIONS = 256
+_CHUNK = 1 << 20
+
+
+def _stats(files: tuple[Path, ...]) -> tuple:
+    out = []
+    for f in files:
+        s = f.stat()
+        out.append((str(f), s.st_size, s.st_mtime_ns, s.st_ctime_ns, s.st_ino, s.st_dev))
+    return tuple(out)
+
+
+def hash_files(files: tuple[Path, ...]) -> str:
+    """sha256 over the files' bytes in turn, read in chunks (never a whole file in memory)."""
+    digest = hashlib.sha256()
+    for f in files:
+        with open(f, "rb") as handle:
+            while chunk := handle.read(_CHUNK):
+                digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
+def adapter_version(config_file: Path, weights_file: Path) -> str:
+    """The adapter's version (sha256 of its config and weights), hashed once per state of
+    its files: remembered by their stats (the MAX_REMEMBERED_VERSIONS most recent), and only
+    when the stats did not move while hashing."""
+    files = (config_file, weights_file)
+    key = _stats(files)
+    with _VERSIONS_LOCK:
+        if key in _VERSIONS:
+            _VERSIONS.move_to_end(key)
+            return _VERSIONS[key]
+    version = hash_files(files)
+    if _stats(files) == key:
+        with _VERSIONS_LOCK:
+            _VERSIONS[key] = version
+            while len(_VERSIONS) > MAX_REMEMBERED_VERSIONS:
+                _VERSIONS.popitem(last=False)
+    return version

@@ -42,7 +42,7 @@ def add_server_args(parser: argparse.ArgumentParser, port: int) -> None:
         action="append",
         default=[],
         help="a key every route but /health needs (repeat for tenants: each key's requests "
-        "get their own prefix cache); or $TANDEM_API_KEY",
+        "get their own prefix cache); or $TANDEM_API_KEY (several: comma-separated)",
     )
     parser.add_argument(
         "--allowed-hosts",
@@ -213,8 +213,7 @@ def build_state(args: argparse.Namespace, adapters: dict[str, LoRARequest]) -> S
             llm.load_lora(adapter)
         engine = AsyncEngine(llm)
     body_limit = {"max_body_bytes": args.max_body_bytes} if args.max_body_bytes else {}
-    env_key = os.environ.get("TANDEM_API_KEY")
-    keys = tuple(args.api_key) or ((env_key,) if env_key else ())
+    keys = api_keys(args.api_key)
     return ServerState(
         engine,
         args.served_model_name or served_name(args.model),
@@ -229,6 +228,15 @@ def build_state(args: argparse.Namespace, adapters: dict[str, LoRARequest]) -> S
         reasoning_parser=args.reasoning_parser,
         **body_limit,
     )
+
+
+def api_keys(flags: list[str]) -> tuple[str, ...]:
+    """The server's keys: the --api-key flags, else $TANDEM_API_KEY's comma-separated keys
+    (as the flag repeated: each a tenant with its own default cache salt; blanks around a key
+    and empty ones dropped); a key given twice counts once."""
+    if not flags:
+        flags = [k.strip() for k in os.environ.get("TANDEM_API_KEY", "").split(",")]
+    return tuple(dict.fromkeys(k for k in flags if k))
 
 
 def admission_limits(args: argparse.Namespace):

@@ -15,6 +15,7 @@ import gradio as gr
 from fastapi import FastAPI
 
 from engine.entrypoints.llm import chat_prompt_ids
+from engine.entrypoints.openai.middleware import KeyRing
 from engine.entrypoints.openai.server import ServerState
 from engine.entrypoints.tools import Tools, parse_tool_calls
 from engine.sampling_params import SamplingParams
@@ -123,18 +124,31 @@ class Playground:
         self.state = state
         self.history = views.History()
         self.method = state.engine.engine.config.spec_method
+        self.keys = KeyRing(state.api_keys) if state.api_keys else None
+
+    def cache_salt(self, request: gr.Request | None) -> str | None:
+        """The signed-in key's own cache salt (as its API requests get: tenants share no KV
+        through the playground either); None on a server without keys."""
+        if self.keys is None:
+            return None
+        headers = getattr(request, "headers", None) or {}
+        salt = self.keys.tenant_salt(headers.get("authorization", ""), headers.get("cookie", ""))
+        if salt is None:  # (APIKeyCheck lets no such request through)
+            raise gr.Error("sign in with this server's API key at /login")
+        return salt
 
     # ---- handlers -----------------------------------------------------------------------------
-    async def generate(self, *values):
+    async def generate(self, request: gr.Request, *values):
         """Stream one request (values: the form's, in Form's order, then the conversation the
-        page shows: chat messages): yields (token-shaded HTML, stats line, conversation). In chat
-        mode a finished reply joins the conversation, so the next prompt is its next turn;
-        completion mode leaves it alone. The conversation lives in the page (the Chatbot's
-        value), so what a request continues is exactly what its page showed."""
+        page shows: chat messages; request: Gradio's, for the key it came with): yields
+        (token-shaded HTML, stats line, conversation). In chat mode a finished reply joins the
+        conversation, so the next prompt is its next turn; completion mode leaves it alone. The
+        conversation lives in the page (the Chatbot's value), so what a request continues is
+        exactly what its page showed."""
         form, conversation = Form(*values[:-1]), _messages(values[-1])
         with_tools = form.mode == "chat" and form.tool_choice != "none" and bool(form.tools)
         try:
-            stream = await self._submit(form, conversation)
+            stream = await self._submit(form, conversation, self.cache_salt(request))
         except ValueError as exc:
             raise gr.Error(str(exc)) from None
         render = _Renderer(self.state.tokenizer)
@@ -153,7 +167,7 @@ class Playground:
         finally:
             stream.close()
 
-    async def race(self, *values):
+    async def race(self, request: gr.Request, *values):
         """The form's request twice at once, with the form's speculation (and prediction) and
         without any: yields each side's token-shaded HTML and stats as either streams. Greedy,
         both sides emit the same tokens (verification is lossless); the speculating side gets
@@ -163,7 +177,8 @@ class Playground:
             form = form._replace(method=self.method or "off")  # something to race with
         plain = form._replace(method="off", prediction="")
         try:
-            streams = [await self._submit(f, conversation) for f in (form, plain)]
+            salt = self.cache_salt(request)
+            streams = [await self._submit(f, conversation, salt) for f in (form, plain)]
         except ValueError as exc:
             raise gr.Error(str(exc)) from None
         shown = [("", ""), ("", "")]
@@ -193,9 +208,9 @@ class Playground:
             for st in streams:
                 st.close()
 
-    async def _submit(self, form: Form, conversation: list[dict]):
-        """The form's request (in chat mode, the next turn of `conversation`), added to the
-        engine; ValueError for a bad field."""
+    async def _submit(self, form: Form, conversation: list[dict], cache_salt: str | None = None):
+        """The form's request (in chat mode, the next turn of `conversation`) under the key's
+        cache salt, added to the engine; ValueError for a bad field."""
         seed = None if form.seed is None or int(form.seed) < 0 else int(form.seed)
         params = SamplingParams(
             temperature=float(form.temperature),
@@ -221,7 +236,9 @@ class Playground:
             ids = tokenizer.encode(form.prompt)
         lora = self.state.adapters.get(form.adapter) if form.adapter != BASE else None
         request_id = f"ui-{uuid.uuid4().hex[:8]}"
-        return await self.state.engine.add_request(request_id, ids, params, lora_request=lora)
+        return await self.state.engine.add_request(
+            request_id, ids, params, lora_request=lora, cache_salt=cache_salt
+        )
 
     async def refresh(self):
         snap = await asyncio.to_thread(self.state.engine.snapshot)
@@ -233,11 +250,12 @@ class Playground:
             views.render_adapters(snap),
         )
 
-    async def load_test(self, num_requests):
-        """N concurrent requests (see _load_jobs). The first goes ahead until its first token,
-        so its prompt blocks are cached when the others arrive (requests admitted in the same
-        step do not share what none of them has computed yet). Returns a summary line."""
-        jobs = self._load_jobs(int(num_requests))
+    async def load_test(self, request: gr.Request, num_requests):
+        """N concurrent requests (see _load_jobs; Gradio holds N to the slider's range, over
+        its API too) under the signed-in key's cache salt. The first goes ahead until its first
+        token, so its prompt blocks are cached when the others arrive (requests admitted in the
+        same step do not share what none of them has computed yet). Returns a summary line."""
+        jobs = self._load_jobs(int(num_requests), self.cache_salt(request))
         start = time.monotonic()
         started = asyncio.Event()
         first = asyncio.ensure_future(self._run_one(*jobs[0], started))
@@ -258,9 +276,9 @@ class Playground:
             summary += f"; {len(errors)} failed: {errors[0]!r}"
         return summary
 
-    def _load_jobs(self, num_requests: int) -> list[tuple]:
-        """(request id, prompt ids, params, adapter) per request: half share a system prompt,
-        every third uses an adapter (if any), every fourth is constrained."""
+    def _load_jobs(self, num_requests: int, cache_salt: str | None = None) -> list[tuple]:
+        """(request id, prompt ids, params, adapter, cache salt) per request: half share a
+        system prompt, every third uses an adapter (if any), every fourth is constrained."""
         adapters = list(self.state.adapters.values())
         jobs = []
         for i in range(num_requests):
@@ -273,15 +291,17 @@ class Playground:
             )
             lora = adapters[(i // 3) % len(adapters)] if adapters and i % 3 == 2 else None
             ids = chat_prompt_ids(self.state.tokenizer, messages)
-            jobs.append((f"load-{i}-{uuid.uuid4().hex[:6]}", ids, params, lora))
+            jobs.append((f"load-{i}-{uuid.uuid4().hex[:6]}", ids, params, lora, cache_salt))
         return jobs
 
-    async def _run_one(self, request_id, ids, params, lora, started=None):
+    async def _run_one(self, request_id, ids, params, lora, cache_salt, started=None):
         """The request's finished output; `started` (an asyncio.Event), if given, is set at its
         first output, or when it ends without one."""
         stream = None
         try:
-            stream = await self.state.engine.add_request(request_id, ids, params, lora_request=lora)
+            stream = await self.state.engine.add_request(
+                request_id, ids, params, lora_request=lora, cache_salt=cache_salt
+            )
             return await stream.last(started.set if started is not None else None)
         finally:
             if stream is not None:

@@ -19,13 +19,23 @@ from them) with the adapter slots that changed since the last, and before each c
 its block copies. A worker that dies breaks the group: rank 0's next collective raises (gloo
 reports the closed connection at once), so the step fails and the engine stops instead of
 waiting.
+
+The rendezvous trusts no other process on the machine: the store and gloo's connections listen
+on 127.0.0.1 only (TCPStore's own listener would take every interface), and each broadcast
+carries an HMAC of its number and its bytes under a random token that rank 0 hands its workers
+over their stdin, so a worker unpickles nothing a peer without the token sent (a wrong one is
+a RendezvousError before any byte is unpickled), nor a message replayed out of turn.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
 import os
 import pickle
+import secrets
+import socket
 import subprocess
 import sys
 import tempfile
@@ -39,25 +49,64 @@ import torch.distributed as dist
 from engine.models.parallel import local_config
 
 TIMEOUT = datetime.timedelta(seconds=120)  # a collective (and the start) waits no longer
+HOST = "127.0.0.1"  # where the ranks meet: one machine, no other interface
+_MAC_BYTES = 32  # an HMAC-SHA256
+
+
+class RendezvousError(PermissionError):
+    """A broadcast not signed with this group's token (another process on the machine, or a
+    worker started with another token): refused before anything is unpickled."""
+
+
+def local_store(world: int) -> dist.TCPStore:
+    """Rank 0's store, listening on HOST only (given its socket: TCPStore binds every interface
+    when it opens its own)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind((HOST, 0))
+    listener.listen(128)
+    port = listener.getsockname()[1]
+    return dist.TCPStore(
+        HOST,
+        port,
+        world,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=TIMEOUT,
+        master_listen_fd=listener.detach(),  # (the store owns the socket now)
+    )
 
 
 class Group:
     """One gloo process group of its own (not torch.distributed's default group, so several
-    engines can live in one process): all-reduce and broadcast of Python objects from rank 0."""
+    engines can live in one process), its connections on HOST: all-reduce and broadcast of
+    Python objects from rank 0, each signed with the group's token (see the module's notes)."""
 
-    def __init__(self, store: dist.Store, rank: int, world: int):
-        self.rank, self.world = rank, world
-        self.pg = dist.ProcessGroupGloo(store, rank, world, TIMEOUT)
+    def __init__(self, store: dist.Store, rank: int, world: int, token: bytes):
+        self.rank, self.world, self.token = rank, world, token
+        self.num_broadcasts = 0  # each one's number is in its MAC: none replays out of turn
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = TIMEOUT
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=HOST)]
+        self.pg = dist.ProcessGroupGloo(store, rank, world, options)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:  # in place, summed
         self.pg.allreduce([tensor]).wait()
         return tensor
 
+    def _mac(self, data: bytes) -> bytes:
+        number = self.num_broadcasts.to_bytes(8, "little")
+        return hmac.new(self.token, number + data, hashlib.sha256).digest()
+
     def broadcast(self, obj: object = None) -> object:
-        """Rank 0's obj on every rank (what others pass is ignored)."""
+        """Rank 0's obj on every rank (what others pass is ignored); a message whose MAC does
+        not hold is a RendezvousError on the rank that got it, before it is unpickled."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        data = pickle.dumps(obj) if self.rank == 0 else b""
+        if self.rank == 0:
+            data = pickle.dumps(obj)
+            data = self._mac(data) + data
+        else:
+            data = b""
         size = torch.tensor([len(data)], dtype=torch.int64)
         self.pg.broadcast([size], opts).wait()
         if self.rank == 0:
@@ -65,7 +114,18 @@ class Group:
         else:
             buffer = torch.empty(int(size), dtype=torch.uint8)
         self.pg.broadcast([buffer], opts).wait()
-        return obj if self.rank == 0 else pickle.loads(buffer.numpy().tobytes())
+        if self.rank == 0:
+            self.num_broadcasts += 1
+            return obj
+        received = buffer.numpy().tobytes()
+        mac, data = received[:_MAC_BYTES], received[_MAC_BYTES:]
+        if not hmac.compare_digest(mac, self._mac(data)):
+            raise RendezvousError(
+                f"rank {self.rank}: broadcast {self.num_broadcasts} is not signed with this "
+                "group's token; refused unread"
+            )
+        self.num_broadcasts += 1
+        return pickle.loads(data)
 
     def gather_columns(self, local: torch.Tensor, total: int) -> torch.Tensor:
         """Every rank's [M, its vocab rows] logits side by side on rank 0: [M, total] there
@@ -120,9 +180,8 @@ class Workers:
 
         world = config.tensor_parallel_size
         target_path(config)  # converted once, before the ranks read it
-        store = dist.TCPStore(
-            "127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=TIMEOUT
-        )
+        store = local_store(world)
+        token = secrets.token_bytes(32)  # the workers' over their stdin, never on the network
         # each worker's output, read back when it dies; closed by close()
         self._logs = [tempfile.TemporaryFile() for _ in range(1, world)]  # noqa: SIM115
         self.procs = []
@@ -133,12 +192,12 @@ class Workers:
             main = f"from {__name__} import worker; worker({store.port}, {rank})"
             argv = [sys.executable, "-c", main]
             proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=log, stderr=log, env=env)
-            proc.stdin.write(pickle.dumps((config, world)))
+            proc.stdin.write(pickle.dumps((config, world, token)))
             proc.stdin.close()
             self.procs.append(proc)
         joined: list[Group] = []  # (the finalizer must not hold self)
         self.close = weakref.finalize(self, _stop, self.procs, self._logs, joined)
-        self.group = self._checked(lambda: Group(store, 0, world))
+        self.group = self._checked(lambda: Group(store, 0, world, token))
         joined.append(self.group)
 
     def __enter__(self) -> Workers:
@@ -208,12 +267,12 @@ def worker(port: int, rank: int) -> None:
     from engine.models.kv_cache import kv_cache_format
     from engine.models.loader import load_target
 
-    config, world = pickle.loads(sys.stdin.buffer.read())
+    config, world, token = pickle.loads(sys.stdin.buffer.read())  # (rank 0's pipe)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     torch.set_flush_denormal(True)  # as rank 0 (LLMEngine) computes
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=TIMEOUT)
-    group = Group(store, rank, world)
+    store = dist.TCPStore(HOST, port, world, is_master=False, timeout=TIMEOUT)
+    group = Group(store, rank, world, token)
     model, cfg, _ = load_target(config, group)
     _, num_blocks = group.broadcast()
     backend = resolve_backend(config.attention_backend, config.torch_device)

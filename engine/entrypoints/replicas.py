@@ -7,12 +7,18 @@ checks and answers as with one engine, and each request goes through a deploymen
 router (engine/entrypoints/routing.py) picks the replica. Ray Serve restarts a replica that dies
 or fails its health check; the requests it was running end with an error (a 503 or an SSE error
 event).
+
+The local Ray instance started here takes no client without this server's own token (Ray's
+token auth with a random RAY_AUTH_TOKEN, not the ~/.ray/auth_token every local user can read):
+Ray listens on every interface, so the token is what keeps other processes and machines from
+running code in it. A cluster joined through $RAY_ADDRESS keeps its operator's settings.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import sys
 import threading
 import time
@@ -177,6 +183,20 @@ def _own(error: BaseException) -> BaseException:
     return error.cause if isinstance(error, RayTaskError) else error
 
 
+def _own_token() -> None:
+    """Ray's token auth on for the local instance about to start, with a random token of this
+    process's (kept if the operator set RAY_AUTH_TOKEN): Ray's processes inherit it from the
+    environment, and a client without it is refused (tests/engine/entrypoints/test_replicas.py)."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
+    if not os.environ.get("RAY_AUTH_TOKEN"):
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    Config.initialize("")  # this process reads the mode and token afresh
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
 class Replicas:
     """The AsyncEngine face of a deployment of engine replicas (ServerState.engine)."""
 
@@ -197,6 +217,8 @@ class Replicas:
     ) -> Replicas:
         """Deploy `num_replicas` engines (Ray started here unless it runs already)."""
         if not ray.is_initialized():
+            if not os.environ.get("RAY_ADDRESS"):
+                _own_token()
             # Workers import this checkout as the server does (its sys.path, '' as its cwd).
             path = os.pathsep.join(p or os.getcwd() for p in sys.path)
             env = {"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}}

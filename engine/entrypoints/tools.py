@@ -103,7 +103,8 @@ class Tools:
         if not isinstance(tools, list | tuple) or not 1 <= len(tools) <= MAX_TOOLS:
             raise ParamError(
                 "tools",
-                f"tools must be a list of 1 to {MAX_TOOLS} function tools, got {tools!r:.80}",
+                f"tools must be a list of 1 to {MAX_TOOLS} function tools, got "
+                + (f"{len(tools)}" if isinstance(tools, list | tuple) else f"{tools!r:.80}"),
             )
         names = tuple(_check_tool(i, t)["name"] for i, t in enumerate(tools))
         if len(set(names)) < len(names):

@@ -10,7 +10,10 @@ method; bodies of invalid UTF-8 and nested past the limit (101 levels, and 100,0
 (a 405 or an unknown route answered Starlette's {"detail"} before), its message without a
 traceback or path; after every case a canary
 request returns its usual output and /health is OK; at the end the engine is idle with every
-block free and no matcher live."""
+block free and no matcher live.
+
+The default run sends one case of every route and every way of encoding a body (explicit
+examples), then 40 drawn cases (~6 s); `-m slow` draws 300 more."""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import math
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 from web import serving, wait_idle
 
@@ -337,15 +340,57 @@ def check_error_body(response: httpx.Response) -> None:
         assert leak not in message, message
 
 
-@settings(
-    max_examples=300,
-    deadline=None,
-    derandomize=True,
-    phases=[Phase.explicit, Phase.generate],  # no shrinking: a failing case is printed as is
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+def fuzz_settings(max_examples: int):
+    return settings(
+        max_examples=max_examples,
+        deadline=None,
+        derandomize=True,
+        phases=[Phase.explicit, Phase.generate],  # no shrinking: a failing case is printed as is
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+
+
+COMPLETION_BODY = {"model": "tiny", "prompt": "hi", "max_tokens": 4}
+CHAT_BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+# One case per route and per way of encoding a body, so a short run reaches them all.
+EXAMPLES = [
+    ("/v1/completions", COMPLETION_BODY | {"stream": True, "logit_bias": {"9999": 1}}, "json"),
+    ("/v1/completions", COMPLETION_BODY | {"use_beam_search": True, "n": 2}, "json"),
+    ("/v1/chat/completions", CHAT_BODY | {"tools": [{"type": "function"}]}, "json"),
+    ("/v1/chat/completions", CHAT_BODY, "not json"),
+    ("/v1/completions", COMPLETION_BODY, "array"),
+    ("/v1/completions", COMPLETION_BODY, "empty"),
+    ("/v1/completions", COMPLETION_BODY | {"stream": True}, "deep"),  # 100,000 levels
+    ("/tokenize", {"messages": [{"role": "bogus"}]}, "json"),
+    ("/detokenize", {"tokens": [1, 2, 10**9]}, "invalid utf-8"),
+    ("/v1/load_lora_adapter", {"lora_name": "fresh", "lora_path": "../lora-a"}, "json"),
+    ("/v1/unload_lora_adapter", {"lora_name": "n" * 65}, "deep"),
+    *[(path, {}, "get") for path in [*GET_ROUTES, "/nowhere"]],
+    ("/v1/snapshot", {}, "json"),  # the wrong method
+]
+
+
+def with_examples(test):
+    for case in EXAMPLES:
+        test = example(case=case)(test)
+    return test
+
+
+@fuzz_settings(40)
+@with_examples
 @given(case=requests())
 def test_fuzzed_requests_never_5xx_and_never_hang(server, case):
+    fuzz_one(server, case)
+
+
+@pytest.mark.slow
+@fuzz_settings(300)
+@given(case=requests())
+def test_more_fuzzed_requests(server, case):
+    fuzz_one(server, case)
+
+
+def fuzz_one(server, case) -> None:
     client, state, canary_text = server
     path, body, raw = case
     if raw == "get":

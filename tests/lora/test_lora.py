@@ -478,3 +478,68 @@ def test_smollm2_mixed_adapters_equal_peft(tmp_path):
     # Adapters matter: the same prompt gives different tokens under different adapters.
     same_prompt = [outs[i].outputs[0].token_ids for i in range(12) if i % 4 == 0]  # 0, 4, 8
     assert len({tuple(t) for t in same_prompt}) == 3
+
+
+def test_adapter_files_are_hashed_once_per_state(tiny_llama, tmp_path, monkeypatch):
+    """An adapter's version (sha256 of its config and weights, as before) is hashed once per
+    state of its files: loading it again, as a client's load / unload loop over HTTP does,
+    reads no bytes to hash while the files are unchanged (issue 41, point 7: each load hashed
+    the whole file); a rewrite is hashed again, and new weights are a new version."""
+    import hashlib
+
+    import lora.adapter as adapter_module
+
+    path = make_adapter(tiny_llama, tmp_path / "a", 0, 4, ["q_proj"], {})
+    config, weights = path / "adapter_config.json", path / "adapter_model.safetensors"
+    hashed = []
+    real = adapter_module.hash_files
+    monkeypatch.setattr(adapter_module, "hash_files", lambda f: hashed.append(f) or real(f))
+    llm = LLM(str(tiny_llama), num_kv_blocks=32, enable_lora=True, num_threads=1)
+    request = LoRARequest("a", str(path))
+    first = llm.engine.load_lora(request).version
+    whole = hashlib.sha256(config.read_bytes() + weights.read_bytes()).hexdigest()[:16]
+    assert first == whole and len(hashed) == 1
+    for _ in range(5):
+        llm.engine.unload_lora("a")
+        assert llm.engine.load_lora(request).version == first
+    assert len(hashed) == 1
+    llm.engine.unload_lora("a")
+    weights.write_bytes(weights.read_bytes())  # the same bytes, written again
+    assert llm.engine.load_lora(request).version == first and len(hashed) == 2
+    llm.engine.unload_lora("a")
+    make_adapter(tiny_llama, path, 1, 4, ["q_proj"], {})  # other weights, same place
+    assert llm.engine.load_lora(request).version != first and len(hashed) == 3
+
+
+def _run_one(engine, request_id, prompt, params, **kwargs):
+    """One request through the engine's own loop: its finished output."""
+    engine.add_request(request_id, prompt, params, **kwargs)
+    while True:
+        for out in engine.step():
+            if out.request_id == request_id and out.finished:
+                return out
+
+
+def test_a_salt_naming_an_adapter_never_meets_its_blocks(tiny_llama, adapters):
+    """Issue 41, finding 3: a base-model request whose cache_salt was an adapter's cache key
+    (its name and version: computable offline for a seeded adapter) hashed like that adapter's
+    requests, so it read the KV they left (and could plant its own for them). Now such a salt is
+    refused (control characters), and one without them hashes apart all the same."""
+    from engine.errors import ParamError
+
+    llm = LLM(str(tiny_llama), num_kv_blocks=64, enable_lora=True, num_threads=1)
+    lora = LoRARequest("qv4", str(adapters["qv4"]))
+    key = llm.engine.load_lora(lora).cache_key.decode()
+    prompt, params = list(range(10, 50)), SamplingParams(temperature=0, max_tokens=1)
+    _run_one(llm.engine, "adapter", prompt, params, lora_request=lora)
+    again = _run_one(llm.engine, "adapter-again", prompt, params, lora_request=lora)
+    assert again.num_cached_tokens == 32  # its blocks are cached: a colliding salt would hit
+    for i, salt in enumerate([key, key.lstrip("\x00"), key + "x"]):
+        try:
+            out = _run_one(llm.engine, f"base-{i}", prompt, params, cache_salt=salt)
+        except ParamError as exc:
+            assert exc.param == "cache_salt"
+            continue
+        assert out.num_cached_tokens == 0, salt
+    snap = llm.engine.snapshot()
+    assert snap["num_free_blocks"] == snap["num_blocks"]

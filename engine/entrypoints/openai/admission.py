@@ -78,6 +78,12 @@ class Ticket:
         adm, limits = self.admission, self.admission.limits
         adm.check_num_prompts(num_prompts)
         num_requests = num_prompts * n
+        if num_requests > limits.max_queued_requests:  # never fits: retrying would not help
+            raise APIError(
+                f"{num_prompts} prompts x n={n} make {num_requests} requests; the server takes "
+                f"at most {limits.max_queued_requests} at once (--max-queued-requests)",
+                "n" if n > 1 else "prompt",
+            )
         if adm.num_requests + num_requests > limits.max_queued_requests:
             raise adm.busy(
                 f"the server holds {adm.num_requests} requests and takes at most "

@@ -68,7 +68,10 @@ def add_lora_routes(app: FastAPI, state: ServerState) -> None:
                 raise _name_taken(adapter.name)
             if len(state.adapters) >= state.max_adapters:
                 most = state.max_adapters
-                raise APIError(f"{most} adapters are loaded, this server's most", "lora_name")
+                raise APIError(
+                    f"{most} adapters are loaded, this server's most: {adapter.name!r} is not",
+                    "lora_name",
+                )
             try:
                 state.engine.engine.load_lora(adapter)
             except ValueError as exc:  # named by its place in lora_dir, not on this machine

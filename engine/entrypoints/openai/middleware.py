@@ -28,7 +28,7 @@ class BodySizeLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._refuse(scope, receive, send)
+            return await self._refuse(scope, receive, send, int(declared))
         messages, seen = [], 0
         while True:
             message = await receive()
@@ -46,9 +46,11 @@ class BodySizeLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, scope, receive, send) -> None:
-        err = APIError(f"request body exceeds {self.max_bytes} bytes", status=413)
-        await error_response(err)(scope, receive, send)
+    async def _refuse(self, scope, receive, send, size: int | None = None) -> None:
+        """413; `size`: the declared length (a streamed body is refused once past the limit)."""
+        given = f"is {size} bytes" if size is not None else f"runs over {self.max_bytes} bytes"
+        message = f"the request body {given}; at most {self.max_bytes} (--max-body-bytes)"
+        await error_response(APIError(message, status=413))(scope, receive, send)
 
 
 OPEN_PATHS = frozenset({"/health", "/login"})  # the only routes that answer without a key
@@ -67,39 +69,60 @@ def cookie_token(key: bytes) -> bytes:
     return hashlib.sha256(b"tandem-cookie\x00" + key).hexdigest().encode()
 
 
-def presented(scope) -> tuple[bytes, bytes]:
-    """(the bearer token of `Authorization: Bearer <key>`, the /login cookie); b"" if absent."""
-    headers = dict(scope.get("headers") or [])
-    given = headers.get(b"authorization", b"")
-    bearer = given[7:] if given[:7].lower() == b"bearer " else b""
-    for part in headers.get(b"cookie", b"").split(b";"):
+def presented(authorization: bytes, cookies: bytes) -> tuple[bytes, bytes]:
+    """(the bearer token of `Authorization: Bearer <key>`, the /login cookie) from those two
+    headers' values; b"" where absent."""
+    bearer = authorization[7:] if authorization[:7].lower() == b"bearer " else b""
+    for part in cookies.split(b";"):
         name, _, value = part.strip().partition(b"=")
         if name == KEY_COOKIE.encode():
             return bearer, value
     return bearer, b""
 
 
+class KeyRing:
+    """A server's API keys: which one a request presents (a bearer token or the /login
+    cookie), each compared in constant time, and all of them always."""
+
+    def __init__(self, keys: Sequence[str]):
+        self.keys = [k.encode() for k in keys]
+        self.tokens = [cookie_token(k) for k in self.keys]
+
+    def match(self, authorization: bytes | str, cookies: bytes | str) -> bytes | None:
+        """The key the headers present (their raw values), or None."""
+        as_bytes = [
+            v.encode("latin-1", "replace") if isinstance(v, str) else v
+            for v in (authorization, cookies)
+        ]
+        bearer, cookie = presented(*as_bytes)
+        matched = [
+            hmac.compare_digest(bearer, key) | hmac.compare_digest(cookie, token)
+            for key, token in zip(self.keys, self.tokens, strict=True)
+        ]
+        return self.keys[matched.index(True)] if any(matched) else None
+
+    def tenant_salt(self, authorization: bytes | str, cookies: bytes | str) -> str | None:
+        """The default cache salt of the key the headers present (None: no key matches)."""
+        key = self.match(authorization, cookies)
+        return None if key is None else tenant_salt(key)
+
+
 class APIKeyCheck:
     """ASGI middleware: every route but /health and /login (the API, /metrics, /v1/snapshot,
-    /openapi.json, the playground and its Gradio API) needs one of the keys, as a bearer token
-    or the /login cookie; each key is compared in constant time, and all of them always.
+    /openapi.json, the playground and its Gradio API) needs one of the keys (KeyRing).
     The matched key's tenant salt goes into the request's state (`tenant_salt`)."""
 
     def __init__(self, app, keys: Sequence[str]):
-        self.app, self.keys = app, [k.encode() for k in keys]
-        self.tokens = [cookie_token(k) for k in self.keys]
+        self.app, self.ring = app, KeyRing(keys)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
         if scope["type"] == "http" and is_preflight(scope):  # browsers send no key on these
             return await self.app(scope, receive, send)
-        bearer, cookie = presented(scope)
-        matched = [
-            hmac.compare_digest(bearer, key) | hmac.compare_digest(cookie, token)
-            for key, token in zip(self.keys, self.tokens, strict=True)
-        ]
-        if not any(matched):
+        headers = dict(scope.get("headers") or [])
+        key = self.ring.match(headers.get(b"authorization", b""), headers.get(b"cookie", b""))
+        if key is None:
             if scope["type"] == "websocket":
                 return await send({"type": "websocket.close", "code": 1008})
             err = APIError(
@@ -108,7 +131,6 @@ class APIKeyCheck:
                 code="invalid_api_key",
             )
             return await error_response(err)(scope, receive, send)
-        key = self.keys[matched.index(True)]
         scope.setdefault("state", {})["tenant_salt"] = tenant_salt(key)
         return await self.app(scope, receive, send)
 

@@ -45,6 +45,10 @@ def param_error(exc: ValueError, body: dict, default_param: str) -> APIError:
         param = constraint_field(body)
     elif param == "prompt" and "messages" in body:
         param = "messages"
+    elif param == "logprobs" and "messages" in body:  # chat's count is top_logprobs
+        param = "top_logprobs"
+    elif param == "beam_width":  # the beams are best_of (completions) or n
+        param = "best_of" if body.get("best_of") is not None else "n"
     return APIError(str(exc), param)
 
 

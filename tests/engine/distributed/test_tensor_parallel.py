@@ -14,6 +14,8 @@ import time
 import httpx
 import psutil
 import pytest
+import torch
+import torch.distributed as dist
 from grammar_cases import CONSTRAINTS
 from web import API_KEY, command_line, make_state, serving
 
@@ -62,31 +64,108 @@ def assert_same(outs, reference, tolerance: float = 1e-4) -> None:
 def test_logits_gather_pads_uneven_shares():
     """Two ranks (threads here) holding 3 and 2 of 5 vocabulary rows: rank 0 gets the logits
     side by side, the padding cut off."""
-    import threading
-
-    import torch
-    import torch.distributed as dist
-
-    from engine.distributed.tensor_parallel import TIMEOUT, Group
     from engine.models.parallel import vocab_rows
 
     assert [vocab_rows(5, r, 2) for r in range(2)] == [(0, 3), (3, 5)]
     assert [vocab_rows(10, r, 3) for r in range(3)] == [(0, 4), (4, 8), (8, 10)]
     whole = torch.arange(20.0).reshape(4, 5)
-    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+
+    def rank(group) -> torch.Tensor:
+        start, end = vocab_rows(5, group.rank, 2)
+        return group.gather_columns(whole[:, start:end].clone(), 5)
+
+    got = two_ranks(rank, b"token", b"token")
+    assert torch.equal(got[0], whole)
+
+
+def two_ranks(fn, token0: bytes, token1: bytes) -> dict:
+    """fn(group) on two ranks (threads) meeting as the engine's do; each rank's result, or the
+    exception it raised."""
+    import threading
+
+    from engine.distributed.tensor_parallel import HOST, TIMEOUT, Group, local_store
+
+    store = local_store(2)
     got = {}
 
-    def rank(r: int) -> None:
-        peer = store if r == 0 else dist.TCPStore("127.0.0.1", store.port, 2, timeout=TIMEOUT)
-        start, end = vocab_rows(5, r, 2)
-        got[r] = Group(peer, r, 2).gather_columns(whole[:, start:end].clone(), 5)
+    def rank(r: int, token: bytes) -> None:
+        peer = store if r == 0 else dist.TCPStore(HOST, store.port, 2, timeout=TIMEOUT)
+        try:
+            got[r] = fn(Group(peer, r, 2, token))
+        except Exception as exc:  # noqa: BLE001 (returned to the test)
+            got[r] = exc
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    threads = [threading.Thread(target=rank, args=(r, t)) for r, t in ((0, token0), (1, token1))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
-    assert torch.equal(got[0], whole)
+    return got
+
+
+UNPICKLED: list[str] = []
+
+
+def _unpickled() -> str:
+    UNPICKLED.append("ran")
+    return "unpickled"
+
+
+class Payload:
+    """What rank 0 broadcasts: unpickling it runs _unpickled (as a hostile pickle would run
+    its code)."""
+
+    def __reduce__(self):
+        return _unpickled, ()
+
+
+@pytest.mark.parametrize("case", ["same token", "wrong token", "out of turn"])
+def test_broadcasts_from_a_peer_without_the_token_are_refused_unread(case):
+    """A worker unpickles only what was signed with its group's token for that turn: another
+    token, or a signed message replayed out of turn, is a RendezvousError and nothing of it is
+    unpickled (before, any peer that reached the store could send a pickle)."""
+    from engine.distributed.tensor_parallel import RendezvousError
+
+    def rank(group):
+        if case == "out of turn" and group.rank == 1:
+            group.num_broadcasts = 1  # rank 0 signs its first message as number 0
+        return group.broadcast(Payload() if group.rank == 0 else None)
+
+    UNPICKLED.clear()
+    other = b"other-token" if case == "wrong token" else b"rank-0-token"
+    got = two_ranks(rank, b"rank-0-token", other)
+    if case == "same token":
+        assert got[1] == "unpickled" and UNPICKLED == ["ran"]
+    else:
+        assert isinstance(got[1], RendezvousError), got[1]
+        assert "not signed with this group's token" in str(got[1])
+        assert UNPICKLED == []
+    assert isinstance(got[0], Payload)  # rank 0 keeps its own object
+
+
+def test_the_rendezvous_listens_on_loopback_only():
+    """The store and gloo's connections listen on 127.0.0.1 alone (TCPStore's own listener took
+    every interface: *:port)."""
+    from engine.distributed.tensor_parallel import local_store
+
+    def listening() -> set[tuple[str, int]]:
+        return {
+            (c.laddr.ip, c.laddr.port)
+            for c in psutil.Process().net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN
+        }
+
+    before = listening()
+    store = local_store(2)
+    assert {ip for ip, port in listening() if port == store.port} == {"127.0.0.1"}
+
+    def rank(group) -> set[tuple[str, int]]:
+        group.all_reduce(torch.ones(2))
+        return listening()  # with both ranks' gloo connections up
+
+    during = two_ranks(rank, b"t", b"t")[0]
+    opened = during - before - {("127.0.0.1", store.port)}
+    assert len(opened) >= 2 and {ip for ip, _ in opened} == {"127.0.0.1"}, opened
 
 
 def is_worker(process: psutil.Process) -> bool:

@@ -124,6 +124,49 @@ def _client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
 
 
+# A Ray client's first call to the instance's GCS: what it prints is what it got.
+RAY_PROBE = """
+import sys
+from ray._raylet import GcsClient
+try:
+    GcsClient(address=sys.argv[1]).internal_kv_keys(b"", namespace=None, timeout=10)
+    print("served")
+except Exception as exc:
+    print(type(exc).__name__)
+"""
+
+
+def test_the_local_ray_instance_takes_no_client_without_its_token(prefix):
+    """The Ray instance the server started answers only its own random token: a client with
+    Ray's default token (~/.ray/auth_token, which every local user can read and any other
+    local instance shares), a wrong one, or none is refused; one with the server's is served
+    (Ray listens on every interface: the token is the lock)."""
+    gcs = ray.get_runtime_context().gcs_address
+    ours = os.environ["RAY_AUTH_TOKEN"]
+    assert len(ours) == 64 and os.environ["RAY_AUTH_MODE"] == "token"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    cases = {
+        "default token": {"RAY_AUTH_MODE": "token"},
+        "wrong token": {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64},
+        "no token": {"RAY_AUTH_MODE": "disabled"},
+        "the server's token": {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": ours},
+    }
+
+    def probe(env: dict) -> str:
+        import subprocess
+        import sys
+
+        argv = [sys.executable, "-c", RAY_PROBE, gcs]
+        done = subprocess.run(argv, env=clean | env, capture_output=True, text=True, timeout=120)
+        return done.stdout.strip()
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        got = dict(zip(cases, pool.map(probe, cases.values()), strict=True))
+    assert got["the server's token"] == "served", got
+    assert got["wrong token"] == got["no token"] == "AuthenticationError", got
+    assert got["default token"] != "served", got
+
+
 def test_outputs_equal_one_engine(prefix, offline, demo_adapters):
     """Greedy and seeded sampled completions, their logprobs, an adapter's, and beam search
     (on one replica), as the offline API gives them from one engine."""

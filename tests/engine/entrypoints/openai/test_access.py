@@ -96,7 +96,7 @@ def test_gradio_client_with_the_key(keyed_playground):
         Client(url + "/", verbose=False)
     client = Client(url + "/", verbose=False, headers=BEARER)
     args = ["completion", "abc abc abc", 0.0, 1.0, 0, 6, -1, "off", 4, True, "(base model)"]
-    html, stats = client.predict(*args, "none", "", "", "none", api_name="/generate")
+    html, stats, _ = client.predict(*args, "none", "", "", "none", "", [], api_name="/generate")
     assert "finished" in stats and 'class="tk' in html
     snap = wait_idle(state.engine)
     assert snap["num_free_blocks"] == snap["num_blocks"]
@@ -147,3 +147,87 @@ def test_bad_cache_salt_is_a_400_naming_it(tiny_llama, salt):
         r = httpx.post(url + "/v1/completions", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
         assert "cache_salt" in r.json()["error"]["message"]
+
+
+def test_env_keys_are_tenants_with_their_own_caches(tiny_llama, monkeypatch):
+    """$TANDEM_API_KEY takes several keys, comma-separated, as the flag repeated: `tandem
+    serve`'s own state has each as a key of its own, each opens the server, and each key's
+    requests get its own default cache salt. The flags, when given, win."""
+    import argparse
+
+    from playground.launch import add_server_args, api_keys, build_state
+
+    monkeypatch.setenv("TANDEM_API_KEY", f" {API_KEY}, {OTHER_KEY},,{API_KEY}")
+    assert api_keys([]) == (API_KEY, OTHER_KEY)
+    assert api_keys(["flag-key"]) == ("flag-key",)
+    parser = argparse.ArgumentParser()
+    add_server_args(parser, 0)
+    flags = ["--model", str(tiny_llama), "--served-model-name", "tiny", "--threads", "1"]
+    args = parser.parse_args(flags)
+    state = build_state(args, {})
+    try:
+        assert state.api_keys == (API_KEY, OTHER_KEY)
+        state.show_cached_tokens = True
+        with serving(build_app(state)) as url:
+
+            def cached(key: str) -> int:
+                return complete(url, key)["prompt_tokens_details"]["cached_tokens"]
+
+            assert [cached(API_KEY), cached(API_KEY), cached(OTHER_KEY)] == [0, 32, 0]
+            assert cached(OTHER_KEY) == 32
+            whole = {"Authorization": f"Bearer {API_KEY},{OTHER_KEY}"}  # the variable's text
+            assert httpx.get(url + "/v1/models", headers=whole).status_code == 401
+    finally:
+        state.engine.shutdown()
+
+
+PLAYGROUND_PROMPT = "The playground and the API share a prefix cache, key by key."
+
+
+def test_playground_requests_get_the_signed_in_keys_salt(keyed_playground, monkeypatch):
+    """The playground's generate and load test run under the cache salt of the key they came
+    with (bearer or /login cookie), as that key's API requests do: the same key's API request
+    reads the playground's blocks, the other key's does not (before, every playground request
+    went in unsalted: one cache shared by every tenant and key-less prefix)."""
+    from gradio_client import Client
+
+    from engine.entrypoints.openai.middleware import tenant_salt
+
+    url, state = keyed_playground
+    salts: list[str | None] = []
+    real = state.engine.add_request
+
+    async def add_request(*args, **kwargs):
+        salts.append(kwargs.get("cache_salt"))
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(state.engine, "add_request", add_request)
+    form = ["completion", PLAYGROUND_PROMPT, 0.0, 1.0, 0, 2, -1, "off", 4, True, "(base model)"]
+    form += ["none", "", "", "none", "", []]  # ..., tools, tool choice, prediction, chat
+    ours = Client(url + "/", verbose=False, headers=BEARER)
+    ours.predict(*form, api_name="/generate")
+    assert salts == [tenant_salt(API_KEY.encode())]
+    wait_idle(state.engine)
+
+    def hits_after(key: str) -> int:
+        before = state.engine.snapshot()["prefix_cache"]["hit_tokens"]
+        body = {"model": "tiny", "prompt": PLAYGROUND_PROMPT, "max_tokens": 1}
+        headers = {"Authorization": f"Bearer {key}"}
+        r = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=60)
+        assert r.status_code == 200, r.text
+        return state.engine.snapshot()["prefix_cache"]["hit_tokens"] - before
+
+    assert hits_after(OTHER_KEY) == 0
+    assert hits_after(API_KEY) == 48  # the prompt's three full blocks, from the playground's run
+    form_headers = {"Content-Type": "application/x-www-form-urlencoded"}
+    login = httpx.post(url + "/login", content=f"key={OTHER_KEY}", headers=form_headers)
+    cookie = login.headers["set-cookie"].split(";")[0]
+    salts.clear()
+    theirs = Client(url + "/", verbose=False, headers={"Cookie": cookie})
+    theirs.predict(*form, api_name="/generate")
+    theirs.predict(2, api_name="/load_test")
+    assert salts == [tenant_salt(OTHER_KEY.encode())] * 3
+    with pytest.raises(Exception, match="greater than maximum value 32"):  # noqa: B017
+        ours.predict(33, api_name="/load_test")
+    snap = wait_idle(state.engine)
+    assert snap["num_free_blocks"] == snap["num_blocks"]
