@@ -66,10 +66,12 @@ inline int32_t hsum_i32(__m256i v) {
 }
 
 // e^x for 8 floats: x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial
-// (relative error < 2e-7), 2^n through the exponent bits. Inputs below -87 give 0.
+// (relative error < 2e-7), 2^n through the exponent bits. Inputs below -87 give 0. A NaN
+// stays NaN (max/min return their second operand when either is NaN, so x goes second): a
+// NaN query (a corrupt adapter) must reach the logits, where its request is failed.
 inline __m256 exp256(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
+  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
+  x = _mm256_min_ps(_mm256_set1_ps(88.0f), x);
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts
