@@ -3,6 +3,7 @@ gradio_client against the app mounted on the HTTP server."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -55,8 +56,9 @@ def _chromium() -> str:
     return path
 
 
-def test_page_streams_and_shows_block_tables(playground):
-    url, state = playground
+@contextlib.contextmanager
+def _page(url: str):
+    """A headless Chromium page on the playground, loaded until its form is there."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
@@ -67,64 +69,70 @@ def test_page_streams_and_shows_block_tables(playground):
             page = browser.new_page(viewport={"width": 1400, "height": 1500})
             page.goto(url + "/", wait_until="load")
             page.wait_for_selector("#generate", timeout=60_000)
-            page.fill("#prompt textarea", "Write a short poem about paged attention.")
-            page.click("#generate")
-            # Streamed: five tokens are on the page while the request still runs (if they came
-            # only at its end, this never holds)...
-            page.wait_for_function(
-                "document.querySelectorAll('#output .tk').length >= 5"
-                " && !document.querySelector('#stats').innerText.includes('finished')",
-                timeout=60_000,
-                polling=50,
-            )
-            # ...and the live view draws its block table.
-            page.wait_for_function(
-                "document.querySelectorAll('#blocks-view .blk-row .blk').length > 0",
-                timeout=30_000,
-            )
-            assert page.locator("#blocks-view .blk").count() >= 256
-            page.wait_for_function(
-                "document.querySelector('#stats').innerText.includes('finished')",
-                timeout=120_000,
-            )
-            ARTIFACTS.mkdir(parents=True, exist_ok=True)
-            page.screenshot(path=str(ARTIFACTS / "playground.png"), full_page=True)
-            text = page.locator("#output").inner_text()
-            assert len(text.strip()) > 10
-            # A constrained request from the form: the output is one of the choices.
-            choices = ["paged", "contiguous", "sliding"]
-            page.get_by_text("Constraint", exact=True).click()
-            page.locator("#constraint-kind input").click()
-            page.get_by_role("option", name="choice", exact=True).click()
-            page.fill("#constraint-text textarea", "\n".join(choices))
-            page.fill("#prompt textarea", "Which KV cache layout does vLLM use?")
-            page.click("#generate")
-            page.wait_for_function(
-                "document.querySelector('#stats').innerText.includes('finished: stop')",
-                timeout=120_000,
-            )
-            # The emitted tokens (struck-out rejected drafts aside), then the end-of-sequence
-            # token the page shows as text.
-            emitted = page.eval_on_selector_all(
-                "#output .tk", "spans => spans.map(s => s.textContent).join('')"
-            )
-            assert emitted.removesuffix("<|im_end|>") in choices
-            # The load test: requests sharing a system prompt share its blocks, and the grid
-            # shows those blocks with their reference counts.
-            page.click("#load-test")
-            page.wait_for_function(
-                "document.querySelectorAll('#blocks-view .blk-shared').length > 0",
-                timeout=60_000,
-            )
-            shared = page.locator("#blocks-view .blk-grid .blk-shared").first.inner_text()
-            assert int(shared) >= 2
-            page.screenshot(path=str(ARTIFACTS / "playground-load-test.png"), full_page=True)
-            page.wait_for_function(
-                "document.querySelector('#load-status').innerText.includes('12/12 requests')",
-                timeout=180_000,
-            )
+            yield page
         finally:
             browser.close()
+
+
+def test_page_streams_and_shows_block_tables(playground):
+    url, state = playground
+    with _page(url) as page:
+        page.fill("#prompt textarea", "Write a short poem about paged attention.")
+        page.click("#generate")
+        # Streamed: five tokens are on the page while the request still runs (if they came
+        # only at its end, this never holds)...
+        page.wait_for_function(
+            "document.querySelectorAll('#output .tk').length >= 5"
+            " && !document.querySelector('#stats').innerText.includes('finished')",
+            timeout=60_000,
+            polling=50,
+        )
+        # ...and the live view draws its block table.
+        page.wait_for_function(
+            "document.querySelectorAll('#blocks-view .blk-row .blk').length > 0",
+            timeout=30_000,
+        )
+        assert page.locator("#blocks-view .blk").count() >= 256
+        page.wait_for_function(
+            "document.querySelector('#stats').innerText.includes('finished')",
+            timeout=120_000,
+        )
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "playground.png"), full_page=True)
+        text = page.locator("#output").inner_text()
+        assert len(text.strip()) > 10
+        # A constrained request from the form: the output is one of the choices.
+        choices = ["paged", "contiguous", "sliding"]
+        page.get_by_text("Constraint", exact=True).click()
+        page.locator("#constraint-kind input").click()
+        page.get_by_role("option", name="choice", exact=True).click()
+        page.fill("#constraint-text textarea", "\n".join(choices))
+        page.fill("#prompt textarea", "Which KV cache layout does vLLM use?")
+        page.click("#generate")
+        page.wait_for_function(
+            "document.querySelector('#stats').innerText.includes('finished: stop')",
+            timeout=120_000,
+        )
+        # The emitted tokens (struck-out rejected drafts aside), then the end-of-sequence
+        # token the page shows as text.
+        emitted = page.eval_on_selector_all(
+            "#output .tk", "spans => spans.map(s => s.textContent).join('')"
+        )
+        assert emitted.removesuffix("<|im_end|>") in choices
+        # The load test: requests sharing a system prompt share its blocks, and the grid
+        # shows those blocks with their reference counts.
+        page.click("#load-test")
+        page.wait_for_function(
+            "document.querySelectorAll('#blocks-view .blk-shared').length > 0",
+            timeout=60_000,
+        )
+        shared = page.locator("#blocks-view .blk-grid .blk-shared").first.inner_text()
+        assert int(shared) >= 2
+        page.screenshot(path=str(ARTIFACTS / "playground-load-test.png"), full_page=True)
+        page.wait_for_function(
+            "document.querySelector('#load-status').innerText.includes('12/12 requests')",
+            timeout=180_000,
+        )
     snap = wait_idle(state.engine)
     assert snap["num_free_blocks"] == snap["num_blocks"]
 
@@ -164,57 +172,46 @@ def test_page_keeps_a_conversation_and_races_speculation(playground):
     request with and without speculation: greedy, the same text on both sides, drafts accepted
     only on the speculating side (here from the prediction box)."""
     url, state = playground
-    from playwright.sync_api import sync_playwright
-
     from engine.entrypoints.llm import chat_prompt_ids
 
     tokenizer = state.tokenizer
-    with sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=_chromium(), args=["--no-sandbox", "--disable-gpu"]
+    with _page(url) as page:
+        first, second = "My name is Ada. Say hello to me.", "What is my name?"
+        page.fill("#prompt textarea", first)
+        _run(page, "#generate", "#stats")
+        reply = _emitted(page, "#output")
+        page.wait_for_function(
+            "document.querySelector('#conversation').innerText.includes('My name is Ada')",
+            timeout=30_000,
         )
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1500})
-            page.goto(url + "/", wait_until="load")
-            page.wait_for_selector("#generate", timeout=60_000)
-            first, second = "My name is Ada. Say hello to me.", "What is my name?"
-            page.fill("#prompt textarea", first)
-            _run(page, "#generate", "#stats")
-            reply = _emitted(page, "#output")
-            page.wait_for_function(
-                "document.querySelector('#conversation').innerText.includes('My name is Ada')",
-                timeout=30_000,
-            )
-            page.fill("#prompt textarea", second)
-            _run(page, "#generate", "#stats")
-            history = [
-                {"role": "user", "content": first},
-                {"role": "assistant", "content": reply},
-                {"role": "user", "content": second},
-            ]
-            assert _prompt_tokens(page) == len(chat_prompt_ids(tokenizer, history))
-            page.click("#new-chat")
-            page.wait_for_function(
-                "!document.querySelector('#conversation').innerText.includes('My name is Ada')",
-                timeout=30_000,
-            )
-            _run(page, "#generate", "#stats")
-            alone = [{"role": "user", "content": second}]
-            assert _prompt_tokens(page) == len(chat_prompt_ids(tokenizer, alone))
-            # The race, in completion mode, with a prediction the answer repeats.
-            page.get_by_label("completion").check()
-            page.fill("#prompt textarea", "Count: one, two, three, four, five,")
-            page.fill("#prediction textarea", " six, seven, eight, nine, ten, eleven, twelve")
-            _run(page, "#race", "#race-spec-stats", "#race-plain-stats")
-            spec, plain = _emitted(page, "#race-spec"), _emitted(page, "#race-plain")
-            assert spec == plain and len(spec) > 10
-            assert page.locator("#race-spec .tk-a").count() > 0
-            assert page.locator("#race-plain .tk-a").count() == 0
-            assert "tokens/s" in page.inner_text("#race-plain-stats")
-            ARTIFACTS.mkdir(parents=True, exist_ok=True)
-            page.screenshot(path=str(ARTIFACTS / "playground-race.png"), full_page=True)
-        finally:
-            browser.close()
+        page.fill("#prompt textarea", second)
+        _run(page, "#generate", "#stats")
+        history = [
+            {"role": "user", "content": first},
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": second},
+        ]
+        assert _prompt_tokens(page) == len(chat_prompt_ids(tokenizer, history))
+        page.click("#new-chat")
+        page.wait_for_function(
+            "!document.querySelector('#conversation').innerText.includes('My name is Ada')",
+            timeout=30_000,
+        )
+        _run(page, "#generate", "#stats")
+        alone = [{"role": "user", "content": second}]
+        assert _prompt_tokens(page) == len(chat_prompt_ids(tokenizer, alone))
+        # The race, in completion mode, with a prediction the answer repeats.
+        page.get_by_label("completion").check()
+        page.fill("#prompt textarea", "Count: one, two, three, four, five,")
+        page.fill("#prediction textarea", " six, seven, eight, nine, ten, eleven, twelve")
+        _run(page, "#race", "#race-spec-stats", "#race-plain-stats")
+        spec, plain = _emitted(page, "#race-spec"), _emitted(page, "#race-plain")
+        assert spec == plain and len(spec) > 10
+        assert page.locator("#race-spec .tk-a").count() > 0
+        assert page.locator("#race-plain .tk-a").count() == 0
+        assert "tokens/s" in page.inner_text("#race-plain-stats")
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "playground-race.png"), full_page=True)
     snap = wait_idle(state.engine)
     assert snap["num_free_blocks"] == snap["num_blocks"]
 
