@@ -12,7 +12,8 @@ activations moves some int8 activation codes of the quantized projections across
 boundary, so even exact float K with int8 V alone gave SmolLM2 ~96.5% top-1 and ~0.06 mean
 |difference|: that is the floor.) The keys' groups are narrower because rotated keys carry a
 few outlier dims: with K in groups of 32, Qwen2.5-Coder-0.5B missed the rule (perplexity
-x1.018, top-1 94.0%; V in groups of 32 alone passes). The bytes per token fall from 8 D to
+x1.018, top-1 94.0%); in groups of 8 it meets it (x1.001, 96.8%; groups of 16 passed with half
+the top-1 margin: bench/RESULTS.md). The bytes per token fall from 8 D to
 D + D / 2 (K) + D + D / 8 (V) per layer and kv head: 3.05x the tokens in the same memory.
 K and V rows differ in width, so an int8 cache is two tensors (Int8Caches).
 

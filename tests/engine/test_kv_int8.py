@@ -3,8 +3,9 @@ path, an embedded GGUF's layers on the C++ kernels: the quality rule against the
 a float32 cache over real text, scored through one prefill and through decode steps, and the
 same cache with its codes cut to 4 bits failing it; the memory accounting (scales counted: the
 same bytes hold ~3x the tokens); a draft model's cache; the refusal where attention is not on
-the C++ kernels. The invariance of a request's tokens under prefix caching, chunking and
-preemption with an int8 cache: tests/e2e/test_gguf_invariance.py."""
+the C++ kernels. The same rule for a bfloat16 cache beside the float32 weights (its broken
+variant: mantissas cut to 2 bits). The invariance of a request's tokens under prefix caching,
+chunking and preemption with an int8 or bfloat16 cache: tests/e2e/test_gguf_invariance.py."""
 
 from __future__ import annotations
 
@@ -107,7 +108,7 @@ def test_smollm2_int8_cache_meets_the_quality_rule_and_a_4_bit_cache_does_not(mo
 def test_qwen_int8_cache_meets_the_quality_rule_and_a_4_bit_cache_does_not(name, monkeypatch):
     """Qwen2.5's rotated keys carry outlier dims: K in groups of 32 missed the rule here
     (prefill perplexity x1.0184, top-1 94.0%, mean |diff| 0.098 over 1023 positions); K in
-    groups of 8 meets it."""
+    groups of 8 meets it (x1.0013, 96.8%, 0.053; decode x1.0030, 99.2%, 0.060)."""
     try:
         resolve_model(name)
     except ModelNotFoundError:
