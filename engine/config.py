@@ -43,9 +43,10 @@ class EngineConfig:
     # "bfloat16" or "float16".
     device: str = "auto"
     dtype: str = "auto"
-    # The KV cache: "auto" (in dtype: exact), "float32" / "bfloat16" (dtype's own, named), or
-    # "int8" (codes with a float32 scale per 32 values: ~3.5x the tokens in the same memory;
-    # read by the C++ CPU layers only; its quality rule in engine.models.kv_cache).
+    # The KV cache: "auto" (in dtype: exact), "float32" / "bfloat16" (dtype's own, named; or
+    # bfloat16 beside float32 weights on the C++ CPU layers: 2x the tokens), or "int8" (codes
+    # with float32 scales, per 8 values of a key and 32 of a value: ~3x the tokens in the same
+    # memory; read by the C++ CPU layers only). Quality rule: engine.models.kv_cache.
     kv_cache_dtype: str = "auto"
     # Weights: "auto" (a GGUF model, as every embedded one, runs its own quantized blocks on
     # CPU: engine.models.quantized; elsewhere dense), None (dense in dtype: the exact reference

@@ -214,7 +214,7 @@ class ModelRunner:
             model.fuse(dense=False)
         weight = model.norm.weight  # (packed or quantized layers keep no dense weight)
         self.device, self.dtype = weight.device, weight.dtype
-        # [num_layers, 2 (K, V), Hkv, num_blocks, block_size, D] (int8: D + D / 8 bytes a row)
+        # [num_layers, 2 (K, V), Hkv, num_blocks, block_size, D]; int8: kv_cache.Int8Caches
         self.kv_caches = kv_cache.allocate(
             cfg, num_blocks, block_size, kv_format or self.dtype, self.device
         )
@@ -257,7 +257,7 @@ class ModelRunner:
             to_device(torch.tensor(c, dtype=torch.long), self.device)
             for c in zip(*copies, strict=True)
         )
-        self.kv_caches[:, :, :, dst] = self.kv_caches[:, :, :, src]
+        kv_cache.copy_blocks(self.kv_caches, src, dst)
 
     @torch.inference_mode()
     def forward(self, items: list[ForwardItem], tables: dict[Request, list[int]]) -> torch.Tensor:

@@ -2,12 +2,14 @@
 the C++ layers' rope_store and attend): its layout, a row's quantization, the store, and the
 cache dequantized to floats for plain softmax attention (the test oracle).
 
-Each (kv head, slot) row of D values is D int8 codes and a float32 scale per group of G = 32
-values (16 or 8 where D is not a multiple of 32), symmetric: s = max|x| / 127 over the group,
-code = round-half-even(x / s), so x ~ code s within s / 2 per value (a zero group: s = 0,
-codes 0; a group holding a non-finite value: s = NaN, codes 0). A layer's K or V cache is an
-int8 tensor [Hkv, num_blocks, block_size, D + 4 D / G]: each (head, block) holds the codes
-(keys transposed, [D, block_size]; values [block_size, D]), then the scales as float32
+Each (kv head, slot) row of D values is D int8 codes and a float32 scale per group of G values,
+symmetric: s = max|x| / 127 over the group, code = round-half-even(x / s), so x ~ code s within
+s / 2 per value (a zero group: s = 0, codes 0; a group holding a non-finite value: s = NaN,
+codes 0). Keys are in groups of KEY_GROUP = 8 (the rotated keys' outlier dims would take the
+levels of a wider group: engine/models/kv_cache.py), values of 32 (16 or 8 where D is not a
+multiple of 32). A layer's K cache and its V cache are int8 tensors [Hkv, num_blocks,
+block_size, D + 4 D / G], each with its own G: each (head, block) holds the codes (keys
+transposed, [D, block_size]; values [block_size, D]), then the scales as float32
 [D / G, block_size].
 """
 
@@ -16,23 +18,27 @@ from __future__ import annotations
 import torch
 
 SCALE_BYTES = 4  # a float32 scale per group
+KEY_GROUP = 8  # a key's values per scale (kv_int8.h: kKeyGroup)
 
 
-def scale_group(head_dim: int) -> int:
-    """Values per scale: 32, or the largest of 16 and 8 that divides head_dim."""
+def scale_group(head_dim: int, is_key: bool) -> int:
+    """Values per scale: a key's KEY_GROUP; a value's 32, or the largest of 16 and 8 that
+    divides head_dim."""
+    if is_key:
+        return KEY_GROUP
     return next(g for g in (32, 16, 8) if head_dim % g == 0)
 
 
-def row_bytes(head_dim: int) -> int:
-    """A row's bytes in the cache: its codes and its groups' scales."""
-    return head_dim + SCALE_BYTES * (head_dim // scale_group(head_dim))
+def row_bytes(head_dim: int, is_key: bool) -> int:
+    """A key's or value's row of bytes in the cache: its codes and its groups' scales."""
+    return head_dim + SCALE_BYTES * (head_dim // scale_group(head_dim, is_key))
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [N, D] float32 -> (codes [N, D] int8, scales [N, D / G] float32), as the kernel
+def quantize_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, D] float32 -> (codes [N, D] int8, scales [N, D / group] float32), as the kernel
     rounds."""
     n, d = x.shape
-    groups = x.view(n, -1, scale_group(d))  # [N, D / G, G]
+    groups = x.view(n, -1, group)  # [N, D / G, G]
     scales = groups.abs().amax(-1, keepdim=True) / 127
     codes = torch.where(scales > 0, torch.round(groups / scales), 0)
     finite = torch.isfinite(groups).all(-1, keepdim=True)
@@ -49,8 +55,8 @@ def codes_and_scales(cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, 
 
 
 def store(
-    k_cache: torch.Tensor,  # [Hkv, num_blocks, block_size, row_bytes(D)] int8
-    v_cache: torch.Tensor,
+    k_cache: torch.Tensor,  # [Hkv, num_blocks, block_size, row_bytes(D, True)] int8
+    v_cache: torch.Tensor,  # [Hkv, num_blocks, block_size, row_bytes(D, False)] int8
     k: torch.Tensor,  # [N, Hkv, D] float32
     v: torch.Tensor,  # [N, Hkv, D] float32
     slot_mapping: torch.Tensor,  # [N] int64
@@ -59,10 +65,11 @@ def store(
     n, num_kv_heads, d = k.shape
     bs = k_cache.shape[2]
     blocks, offsets = slot_mapping // bs, slot_mapping % bs  # [N]
-    num_groups = d // scale_group(d)
     for cache, x, is_key in ((k_cache, k, True), (v_cache, v, False)):
+        group = scale_group(d, is_key)
+        num_groups = d // group
         codes_at, scales_at = codes_and_scales(cache, d)
-        codes, scales = quantize_rows(x.reshape(n * num_kv_heads, d))
+        codes, scales = quantize_rows(x.reshape(n * num_kv_heads, d), group)
         i = torch.arange(d)
         at = i[None] * bs + offsets[:, None] if is_key else offsets[:, None] * d + i[None]  # [N, D]
         codes_at[:, blocks[:, None], at] = codes.view(n, num_kv_heads, d).transpose(0, 1)
@@ -77,7 +84,7 @@ def dequantize(cache: torch.Tensor, head_dim: int, is_key: bool) -> torch.Tensor
     """The cache's rows as floats, [Hkv, num_blocks, block_size, D] (the float cache's
     reference layout, kernels/reference.py): code s for every value."""
     num_kv_heads, num_blocks, bs, _ = cache.shape
-    d, group = head_dim, scale_group(head_dim)
+    d, group = head_dim, scale_group(head_dim, is_key)
     codes, scale_bytes = codes_and_scales(cache, d)
     codes = codes.float()
     if is_key:

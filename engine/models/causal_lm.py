@@ -59,7 +59,7 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [N]
         positions: torch.Tensor,  # [N]
-        kv_caches: torch.Tensor,  # [num_layers, 2, Hkv, num_blocks, block_size, D]
+        kv_caches,  # [num_layers, 2, Hkv, num_blocks, block_size, D] (int8: kv_cache.Int8Caches)
         meta: AttentionMetadata,
         lora: LoRABatch | None = None,
     ) -> torch.Tensor:  # [N, hidden]

@@ -82,7 +82,7 @@ class Gemma3DecoderLayer(nn.Module):
         x: torch.Tensor,  # [N, hidden]
         cos: torch.Tensor,  # [N, 1, D] of this layer's kind of RoPE
         sin: torch.Tensor,
-        kv_cache: torch.Tensor,  # [2, Hkv, num_blocks, block_size, D]
+        kv_cache: torch.Tensor,  # [2, Hkv, num_blocks, block_size, D] (int8: a (K, V) pair)
         meta: AttentionMetadata,
         lora: LoRABatch | None = None,
     ) -> torch.Tensor:

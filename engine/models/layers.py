@@ -335,7 +335,7 @@ class Attention(nn.Module):
         h: torch.Tensor,  # [N, hidden], normed
         cos: torch.Tensor,  # [N, 1, D]
         sin: torch.Tensor,
-        kv_cache: torch.Tensor,  # [2, Hkv, num_blocks, block_size, D]
+        kv_cache: torch.Tensor,  # [2, Hkv, num_blocks, block_size, D] (int8: a (K, V) pair)
         meta: AttentionMetadata,
         lora: LoRABatch | None = None,
     ) -> torch.Tensor:  # [N, hidden], this rank's heads' share reduced
@@ -520,7 +520,7 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,  # [N, hidden]
         cos: torch.Tensor,  # [N, 1, D]
         sin: torch.Tensor,
-        kv_cache: torch.Tensor,  # [2, Hkv, num_blocks, block_size, D]
+        kv_cache: torch.Tensor,  # [2, Hkv, num_blocks, block_size, D] (int8: a (K, V) pair)
         meta: AttentionMetadata,
         lora: LoRABatch | None = None,  # per-row adapters, when any row has one
     ) -> torch.Tensor:

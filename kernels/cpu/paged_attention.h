@@ -5,15 +5,19 @@
 // nor on how many heads or keys share a load), on every instruction set.
 //
 // Cache layout (kernels/reference.py): [Hkv, num_blocks, block_size, D] for K and V; a slot is
-// block * block_size + offset; block tables are padded with the null block 0. Or int8 codes
-// with scales (kv_int8.h): the pieces take either.
+// block * block_size + offset; block tables are padded with the null block 0. The elements are
+// float32, or bfloat16 (EngineConfig.kv_cache_dtype="bfloat16" beside float32 weights: each
+// value rounded to nearest even as it is stored, as torch's .to(torch.bfloat16), and widened
+// exactly as it is read, so attention over it is attention over those rounded rows); or int8
+// codes with scales (kv_int8.h): the pieces take any.
 #pragma once
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
 
 #include <algorithm>
-#include <type_traits>
+#include <cstring>
 #include <vector>
 
 #include "kv_int8.h"
@@ -22,31 +26,39 @@
 namespace tandem {
 namespace {
 
+using BF16 = c10::BFloat16;
+
+// A float cache of elements T: float or BF16.
+template <class T>
 struct Cache {
-  float* data;
+  T* data;
   int64_t head_stride, block_stride, slot_stride, block_size;
-  float* at(int64_t head, int64_t block, int64_t offset) const {
+  T* at(int64_t head, int64_t block, int64_t offset) const {
     return data + head * head_stride + block * block_stride + offset * slot_stride;
   }
 };
 
-Cache view(at::Tensor& cache, int64_t num_kv_heads, int64_t head_dim) {
-  TORCH_CHECK(cache.scalar_type() == at::kFloat && cache.dim() == 4 &&
+template <class T>
+Cache<T> view(at::Tensor& cache, int64_t num_kv_heads, int64_t head_dim) {
+  TORCH_CHECK(cache.scalar_type() == c10::CppTypeToScalarType<T>::value && cache.dim() == 4 &&
                   cache.size(0) == num_kv_heads && cache.size(3) == head_dim &&
                   cache.stride(3) == 1,
-              "tandem_cpu: caches must be float32 [Hkv, num_blocks, block_size, D]");
-  return {cache.data_ptr<float>(), cache.stride(0), cache.stride(1), cache.stride(2),
-          cache.size(2)};
+              "tandem_cpu: caches must be float32 or bfloat16 (both alike) [Hkv, num_blocks, "
+              "block_size, D]");
+  return {cache.data_ptr<T>(), cache.stride(0), cache.stride(1), cache.stride(2), cache.size(2)};
 }
 
-// f(k view, v view) over float32 caches or int8 ones (kv_int8.h), as the tensors are.
+// f(k view, v view) over float32, bfloat16 or int8 caches (kv_int8.h), as the tensors are.
 template <class F>
 void with_caches(at::Tensor& k_cache, at::Tensor& v_cache, int64_t num_kv_heads,
                  int64_t head_dim, F&& f) {
   if (k_cache.scalar_type() == at::kChar) {
-    f(int8_view(k_cache, num_kv_heads, head_dim), int8_view(v_cache, num_kv_heads, head_dim));
+    f(int8_view(k_cache, num_kv_heads, head_dim, true),
+      int8_view(v_cache, num_kv_heads, head_dim, false));
+  } else if (k_cache.scalar_type() == at::kBFloat16) {
+    f(view<BF16>(k_cache, num_kv_heads, head_dim), view<BF16>(v_cache, num_kv_heads, head_dim));
   } else {
-    f(view(k_cache, num_kv_heads, head_dim), view(v_cache, num_kv_heads, head_dim));
+    f(view<float>(k_cache, num_kv_heads, head_dim), view<float>(v_cache, num_kv_heads, head_dim));
   }
 }
 
@@ -89,10 +101,18 @@ struct Heads {
 };
 
 #if TANDEM_HAVE_KERNEL
-inline void axpy(float a, const float* x, float* y, int64_t n) {  // y += a x
+// Eight elements at p as float32 (bfloat16: its bits in the upper half, exact).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const BF16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+template <class T>
+inline void axpy(float a, const T* x, float* y, int64_t n) {  // y += a x
   const __m256 va = _mm256_set1_ps(a);
   for (int64_t i = 0; i < n; i += 8) {
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, load8(x + i), _mm256_loadu_ps(y + i)));
   }
 }
 
@@ -130,28 +150,40 @@ float softmax_unnormalized(float* s, int64_t n) {
 // Keys are stored transposed within each cache block: a (kv head, block)'s keys are a
 // [D, block_size] slab (key t's element i at i * block_size + t), so eight consecutive keys'
 // element i are one load and a score needs no horizontal sum; values stay [block_size, D].
-inline float* key_slab(const Cache& kc, int64_t head, int64_t block) { return kc.at(head, block, 0); }
+template <class T>
+inline T* key_slab(const Cache<T>& kc, int64_t head, int64_t block) { return kc.at(head, block, 0); }
 
-// A token's key k [D] and value v [D] at `offset` of `block` of kv head g.
-inline void store_kv(const Cache& kc, const Cache& vc, int64_t g, int64_t block, int64_t offset,
-                     const float* k, const float* v, int64_t d) {
-  float* slab = key_slab(kc, g, block);
-  for (int64_t i = 0; i < d; ++i) slab[i * kc.block_size + offset] = k[i];  // transposed
-  std::copy_n(v, d, vc.at(g, block, offset));
+// A token's key k [D] and value v [D] at `offset` of `block` of kv head g (bfloat16: rounded to
+// nearest even, as c10::BFloat16 converts).
+template <class T>
+inline void store_kv(const Cache<T>& kc, const Cache<T>& vc, int64_t g, int64_t block,
+                     int64_t offset, const float* k, const float* v, int64_t d) {
+  T* slab = key_slab(kc, g, block);
+  for (int64_t i = 0; i < d; ++i) {
+    slab[i * kc.block_size + offset] = static_cast<T>(k[i]);  // transposed
+  }
+  T* row = vc.at(g, block, offset);
+  for (int64_t i = 0; i < d; ++i) row[i] = static_cast<T>(v[i]);
 }
 
-// Lanes [0, count) of 8 floats at p (masked: a block's last chunk may hold fewer than 8 keys).
+// Lanes [0, count) of 8 elements at p (masked: a block's last chunk may hold fewer than 8 keys).
 inline __m256 load_lanes(const float* p, int64_t count) {
   if (count >= 8) return _mm256_loadu_ps(p);
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)), lane));
 }
+inline __m256 load_lanes(const BF16* p, int64_t count) {
+  if (count >= 8) return load8(p);
+  alignas(16) uint16_t buf[8] = {0};
+  std::memcpy(buf, p, count * sizeof(BF16));
+  return load8(reinterpret_cast<const BF16*>(buf));
+}
 
 // One block's keys [off, off + lanes) (block offsets), VECS vectors of eight: the scores of
 // keys [lo, hi) go to scores[r * stride + key0 + t]. Each score is one chain of fmas over i in
 // order, whatever VECS is (two vectors give each head two chains, hiding the fma latency).
-template <int HEADS, int VECS>
-inline void score_block(const float* q, int64_t d, const float* slab, int64_t bs, int64_t off,
+template <int HEADS, int VECS, class T>
+inline void score_block(const float* q, int64_t d, const T* slab, int64_t bs, int64_t off,
                         int64_t lanes, int64_t key0, int64_t lo, int64_t hi, __m256 vscale,
                         float* scores, int64_t stride) {
   __m256 acc[HEADS][VECS];
@@ -175,13 +207,13 @@ inline void score_block(const float* q, int64_t d, const float* slab, int64_t bs
   }
 }
 
-template <int HEADS>
-void score_keys(const float* q, int64_t d, const Cache& kc, int64_t g, const int64_t* table,
+template <int HEADS, class T>
+void score_keys(const float* q, int64_t d, const Cache<T>& kc, int64_t g, const int64_t* table,
                 int64_t first, int64_t n, float scale, float* scores, int64_t stride) {
   const int64_t bs = kc.block_size, end = first + n;
   const __m256 vscale = _mm256_set1_ps(scale);
   for (int64_t start = first - first % bs; start < end; start += bs) {  // one block
-    const float* slab = key_slab(kc, g, table[start / bs]);
+    const T* slab = key_slab(kc, g, table[start / bs]);
     for (int64_t off = 0; off < bs && start + off < end;) {  // sixteen keys, else eight
       const int64_t lanes = std::min<int64_t>(16, bs - off);
       const int64_t lo = std::max<int64_t>(start + off, first) - start;
@@ -201,8 +233,8 @@ void score_keys(const float* q, int64_t d, const Cache& kc, int64_t g, const int
 // o_r[i] = (sum_t p_r[t] v_t[i]) * inv_r for heads r < HEADS (p_r = p + r * n, o_r = o + r * d)
 // and keys t in [first, first + n): each element one chain of fmas in key order, a block's
 // values read in sequence, each value row loaded once for the HEADS heads sharing it.
-template <int CHUNKS, int HEADS>  // CHUNKS = D / 8
-void sum_values(const float* p, int64_t d, const Cache& vc, int64_t g, const int64_t* table,
+template <int CHUNKS, int HEADS, class T>  // CHUNKS = D / 8
+void sum_values(const float* p, int64_t d, const Cache<T>& vc, int64_t g, const int64_t* table,
                 int64_t first, int64_t n, const float* inv, float* o) {
   const int64_t bs = vc.block_size, end = first + n;
   __m256 acc[HEADS][CHUNKS];
@@ -210,14 +242,14 @@ void sum_values(const float* p, int64_t d, const Cache& vc, int64_t g, const int
     for (int c = 0; c < CHUNKS; ++c) acc[r][c] = _mm256_setzero_ps();
   }
   for (int64_t start = first - first % bs; start < end; start += bs) {  // one block
-    const float* block = vc.at(g, table[start / bs], 0);
+    const T* block = vc.at(g, table[start / bs], 0);
     const int64_t lo = std::max(start, first), hi = std::min(start + bs, end);
     for (int64_t pos = lo; pos < hi; ++pos) {
-      const float* v = block + (pos - start) * vc.slot_stride;
+      const T* v = block + (pos - start) * vc.slot_stride;
       __m256 w[HEADS];
       for (int r = 0; r < HEADS; ++r) w[r] = _mm256_set1_ps(p[r * n + pos - first]);
       for (int c = 0; c < CHUNKS; ++c) {
-        const __m256 vc8 = _mm256_loadu_ps(v + 8 * c);
+        const __m256 vc8 = load8(v + 8 * c);
         for (int r = 0; r < HEADS; ++r) acc[r][c] = _mm256_fmadd_ps(w[r], vc8, acc[r][c]);
       }
     }
@@ -229,12 +261,13 @@ void sum_values(const float* p, int64_t d, const Cache& vc, int64_t g, const int
 }
 
 // The same sum for any D (a multiple of 8), one head.
-void sum_values_any(const float* p, int64_t d, const Cache& vc, int64_t g, const int64_t* table,
+template <class T>
+void sum_values_any(const float* p, int64_t d, const Cache<T>& vc, int64_t g, const int64_t* table,
                     int64_t first, int64_t n, float inv, float* o) {
   const int64_t bs = vc.block_size, end = first + n;
   std::fill_n(o, d, 0.0f);
   for (int64_t start = first - first % bs; start < end; start += bs) {
-    const float* block = vc.at(g, table[start / bs], 0);
+    const T* block = vc.at(g, table[start / bs], 0);
     for (int64_t pos = std::max(start, first); pos < std::min(start + bs, end); ++pos) {
       axpy(p[pos - first], block + (pos - start) * vc.slot_stride, o, d);
     }
@@ -252,8 +285,8 @@ constexpr int kValueHeads64 = 1, kValueHeads128 = 1, kScoreHeads = 4;
 #endif
 
 // Heads [r, r + count) of a group: their value sums, count <= kValueHeads64 for D = 64.
-template <int CHUNKS, int MAXH>
-void sum_heads(const float* p, int64_t d, const Cache& vc, int64_t g, const int64_t* table,
+template <int CHUNKS, int MAXH, class KV>
+void sum_heads(const float* p, int64_t d, const KV& vc, int64_t g, const int64_t* table,
                int64_t first, int64_t n, const float* inv, float* o, int64_t count) {
   if constexpr (MAXH >= 3) {
     if (count == 3) return sum_values<CHUNKS, 3>(p, d, vc, g, table, first, n, inv, o);
@@ -264,9 +297,11 @@ void sum_heads(const float* p, int64_t d, const Cache& vc, int64_t g, const int6
   sum_values<CHUNKS, 1>(p, d, vc, g, table, first, n, inv, o);
 }
 
-// o [group, D] = a group's value sums over a float cache, p [group, n] its softmax numerators,
-// inv [group] their reciprocal sums: as many heads per pass as keep their sums in registers.
-void sum_group(const float* p, int64_t d, const Cache& vc, int64_t g, const int64_t* table,
+// o [group, D] = a group's value sums (over a float32, bfloat16 or int8 cache), p [group, n]
+// their softmax numerators, inv [group] their reciprocal sums: as many heads per pass as keep
+// their sums in registers.
+template <class KV>
+void sum_group(const float* p, int64_t d, const KV& vc, int64_t g, const int64_t* table,
                int64_t first, int64_t n, const float* inv, float* o, int64_t group) {
   const int64_t per = d == 64 ? kValueHeads64 : d == 128 ? kValueHeads128 : 1;
   for (int64_t r = 0; r < group; r += per) {
@@ -327,18 +362,7 @@ void attend_rows(const float* qkv, const Heads& hd, const Rows& rows, const KV& 
       invs.resize(group);
       for (int64_t r = 0; r < group; ++r) invs[r] = 1.0f / softmax_unnormalized(scores.data() + r * n, n);
       float* o = attn + b * hd.q_size() + g * group * d;  // the group's outputs
-      if constexpr (std::is_same_v<KV, Cache>) {
-        sum_group(scores.data(), d, vc, g, table, first, n, invs.data(), o, group);
-      } else {  // int8 codes: each head's sum on its own (kv_int8.h)
-        for (int64_t r = 0; r < group; ++r) {
-          const float* p = scores.data() + r * n;
-          switch (d) {
-            case 64: sum_values<8>(p, d, vc, g, table, first, n, invs[r], o + r * d); break;
-            case 128: sum_values<16>(p, d, vc, g, table, first, n, invs[r], o + r * d); break;
-            default: sum_values<0>(p, d, vc, g, table, first, n, invs[r], o + r * d); break;
-          }
-        }
-      }
+      sum_group(scores.data(), d, vc, g, table, first, n, invs.data(), o, group);
     }
   });
 }

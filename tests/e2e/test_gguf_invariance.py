@@ -7,8 +7,8 @@ Each variant is compared with the requests run one at a time on an engine withou
 caching (the whole prompt in one step). The broken variant puts prefill chunks back on the
 Python layers' numerics (the bug this guards against: a prompt's rows took another path than
 its decode rows, so a cache hit changed the answer) and the same comparison rejects it.
-SmolLM2 runs in the default suite, with a float32 KV cache and with an int8 one (its rows are
-quantized as they are stored, so they too depend on the request's tokens only); the
+SmolLM2 runs in the default suite, with a float32 KV cache, an int8 one and a bfloat16 one
+(their rows are rounded as they are stored, so they too depend on the request's tokens only); the
 Qwen2.5-Coder models are `slow` and need their weight packages (the skip message prints the pip
 command).
 """
@@ -126,11 +126,12 @@ def test_smollm2_gguf_requests_keep_their_bits(smollm2):
         assert got == want, variant
 
 
-def test_smollm2_gguf_requests_keep_their_bits_over_an_int8_kv_cache(smollm2):
-    name, int8 = "smollm2-135m-instruct", {"kv_cache_dtype": "int8"}
-    prompts, params, want = alone(name, **int8)
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "bfloat16"])
+def test_smollm2_gguf_requests_keep_their_bits_over_an_int8_or_bf16_cache(smollm2, kv_cache_dtype):
+    name, kw = "smollm2-135m-instruct", {"kv_cache_dtype": kv_cache_dtype}
+    prompts, params, want = alone(name, **kw)
     assert want != smollm2[2]  # (the cache is another numerics: some logprob bits differ)
-    for variant, got in variants(name, prompts, params, **int8).items():
+    for variant, got in variants(name, prompts, params, **kw).items():
         assert got == want, variant
 
 

@@ -155,13 +155,13 @@ def test_attend_refuses_a_context_beyond_its_table():
         attend(qkv[:1], caches, tables, row_tables[:1], seq_lens[:1] + 8, heads, 1.0, 0)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "bfloat16"])
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # a QKV bias; per-head norms
 @pytest.mark.parametrize("bits", [4, 5, 6])  # 5, 6: a 4-bit plane and one per higher bit
 def test_fused_layer_equals_its_pieces_composed(tmp_path, arch, kv_cache_dtype, bits):
     """A layer's one C++ call and its pieces composed from Python (as steps with adapters or
     tensor-parallel sums run them): the same hidden states and caches, bit for bit, with a
-    float32 cache or an int8 one."""
+    float32 cache, an int8 one or a bfloat16 one."""
     from engine import LLM
     from engine.attention import row_metadata, slot_ids
     from engine.models.layers import projections
@@ -200,23 +200,25 @@ def test_fused_layer_equals_its_pieces_composed(tmp_path, arch, kv_cache_dtype, 
     x = torch.randn(n, model.config.hidden_size, generator=g)
     positions = meta.seq_lens - 1
     cos, sin = model.rotary["global"](positions)
-    caches = llm.engine.runner.kv_caches[0]
+    caches = list(llm.engine.runner.kv_caches[0])  # K, V (int8: rows of their own widths)
     if kv_cache_dtype == "int8":  # rows of earlier tokens: codes and scales as stored
-        num_kv_heads, d = caches.shape[1], model.config.head_dim
+        num_kv_heads, d = caches[0].shape[0], model.config.head_dim
         rows = torch.randn(2, 16 * 4, num_kv_heads, d, generator=g)
-        caches = caches.clone()
+        caches = [c.clone() for c in caches]
         kv_int8.store(*caches, *rows, torch.arange(16 * 4))
-        assert caches.dtype == torch.int8
+        assert caches[0].dtype == caches[1].dtype == torch.int8
+        assert caches[0].shape[-1] == kv_int8.row_bytes(d, True) > caches[1].shape[-1]
     else:
-        caches = torch.randn_like(caches)
-    fused_cache, composed_cache = caches.clone(), caches.clone()
+        caches = [torch.randn_like(c) for c in caches]
+    fused_cache, composed_cache = ([c.clone() for c in caches] for _ in range(2))
     fused = layer(x.clone(), cos, sin, fused_cache, meta)
     call, layer.fused = layer.fused, None  # the pieces
     composed = layer(x.clone(), cos, sin, composed_cache, meta)
     layer.fused = call
     assert torch.equal(fused, composed)
-    assert torch.equal(fused_cache, composed_cache)
-    assert not torch.equal(fused_cache, caches)  # the step's keys and values were written
+    assert all(map(torch.equal, fused_cache, composed_cache))
+    # the step's keys and values were written
+    assert not any(map(torch.equal, fused_cache, caches))
 
 
 def test_a_value_is_within_half_a_step_and_zero_and_nan_groups_are_kept_apart():
@@ -224,7 +226,7 @@ def test_a_value_is_within_half_a_step_and_zero_and_nan_groups_are_kept_apart():
     x = torch.randn(50, 64, generator=g) * torch.rand(50, 1, generator=g) * 10
     x[3] = 0.0
     x[7, 5] = float("nan")
-    codes, scales = kv_int8.quantize_rows(x)  # [50, 64], [50, 2]: a scale per 32 values
+    codes, scales = kv_int8.quantize_rows(x, 32)  # [50, 64], [50, 2]: a scale per 32 values
     assert scales.shape == (50, 2)
     ok = [i for i in range(50) if i not in (3, 7)]
     step = scales[ok].repeat_interleave(32, dim=1)  # [48, 64]
@@ -233,15 +235,24 @@ def test_a_value_is_within_half_a_step_and_zero_and_nan_groups_are_kept_apart():
     assert codes[ok].view(48, 2, 32).abs().amax(-1).eq(127).all()  # each group's largest: 127
     assert scales[3].eq(0).all() and codes[3].eq(0).all()
     assert scales[7, 0].isnan() and codes[7, :32].eq(0).all()  # its other group as any
-    assert torch.equal(codes[7, 32:], kv_int8.quantize_rows(x[7:8, 32:])[0][0])
-    assert [kv_int8.row_bytes(d) for d in (64, 128, 16, 24)] == [72, 144, 20, 36]
+    assert torch.equal(codes[7, 32:], kv_int8.quantize_rows(x[7:8, 32:], 32)[0][0])
+    # keys: a scale per 8 values, each group's largest 127, the same half step
+    key_codes, key_scales = kv_int8.quantize_rows(x[ok], 8)
+    assert key_scales.shape == (48, 8) and key_codes.view(48, 8, 8).abs().amax(-1).eq(127).all()
+    step = key_scales.repeat_interleave(8, dim=1)
+    assert (key_codes.float() * step - x[ok]).abs().le(step / 2 + x[ok].abs() * 1e-6).all()
+    assert [kv_int8.row_bytes(d, False) for d in (64, 128, 16, 24)] == [72, 144, 20, 36]
+    assert [kv_int8.row_bytes(d, True) for d in (64, 128, 16, 24)] == [96, 192, 24, 36]
 
 
 def int8_caches(float_caches, heads) -> tuple[torch.Tensor, torch.Tensor]:
     k_cache, _ = float_caches
     num_kv_heads, num_blocks, block_size, d = k_cache.shape
-    shape = (num_kv_heads, num_blocks, block_size, kv_int8.row_bytes(d))
-    return torch.zeros(shape, dtype=torch.int8), torch.zeros(shape, dtype=torch.int8)
+    shape = (num_kv_heads, num_blocks, block_size)
+    return tuple(
+        torch.zeros(*shape, kv_int8.row_bytes(d, is_key), dtype=torch.int8)
+        for is_key in (True, False)
+    )
 
 
 def stored_int8(heads, block_size: int, lens: list[int]):
@@ -300,9 +311,51 @@ def test_int8_attend_equals_attention_over_the_dequantized_rows(block_size, head
         assert torch.equal(part, got[rows]), rows
 
 
-def test_int8_caches_of_the_wrong_shape_are_refused():
-    heads = (2, 1, 8)
+@pytest.mark.parametrize("which", ["short", "swapped", "k-as-v"])
+def test_int8_caches_of_the_wrong_shape_are_refused(which):
+    heads = (2, 1, 64)  # K rows 96 bytes (a scale per 8), V rows 72 (a scale per 32)
     qkv, caches, tables, row_tables, seq_lens = requests_in_cache(heads, 4, [6])
     k, v = int8_caches(caches, heads)
+    wrong = {"short": (k[..., :-1], v[..., :-1]), "swapped": (v, k), "k-as-v": (v.clone(), v)}
+    attend(qkv, (k, v), tables, row_tables, seq_lens, heads, 1.0, 0)  # (the right ones pass)
     with pytest.raises(RuntimeError, match="int8 caches must be"):
-        attend(qkv, (k[..., :-1], v[..., :-1]), tables, row_tables, seq_lens, heads, 1.0, 0)
+        attend(qkv, wrong[which], tables, row_tables, seq_lens, heads, 1.0, 0)
+
+
+@pytest.mark.parametrize("block_size", [4, 12, 16])
+@pytest.mark.parametrize("heads", [(3, 1, 8), (14, 2, 64), (4, 2, 128), (4, 4, 24)])
+@pytest.mark.parametrize("window", [0, 7])
+def test_bfloat16_attend_equals_attention_over_the_rounded_rows(block_size, heads, window):
+    """A bfloat16 cache beside float32 activations: rope_store rounds each value to nearest even
+    (torch's .to(torch.bfloat16)), attend widens them exactly: softmax attention over the
+    rounded rows, each row's bits alone."""
+    num_heads, num_kv_heads, d = heads
+    lens = [1, 19, 45]
+    qkv, caches, tables, row_tables, seq_lens = requests_in_cache(heads, block_size, lens)
+    total = qkv.shape[0]
+    slots = []
+    for i, n in enumerate(lens):
+        slots += [int(tables[i, p // block_size]) * block_size + p % block_size for p in range(n)]
+    ones, zeros = torch.ones(total, d), torch.zeros(total, d)  # qkv is rotated already
+    bf16 = tuple(torch.zeros_like(c, dtype=torch.bfloat16) for c in caches)
+    torch.ops.tandem_cpu.rope_store(
+        qkv.clone(), ones, zeros, *bf16, torch.tensor(slots), num_heads, num_kv_heads
+    )  # fmt: skip
+    assert all(torch.equal(b, c.to(torch.bfloat16)) for b, c in zip(bf16, caches, strict=True))
+    q_size = num_heads * d
+    held = qkv.clone()
+    held[:, q_size:] = held[:, q_size:].to(torch.bfloat16).float()
+    scale = d**-0.5
+    got = attend(qkv, bf16, tables, row_tables, seq_lens, heads, scale, window)
+    want = reference_attention(held, heads, lens, scale, window).float()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # the broken variant: the same attention over the rows as they came (not as stored)
+    exact = reference_attention(qkv, heads, lens, scale, window).float()
+    assert not torch.allclose(got, exact, rtol=1e-5, atol=1e-5)
+    for rows in ([0], [30], [64, 3, 40], list(range(20, 64, 5))):
+        part = attend(
+            qkv[rows], bf16, tables, row_tables[rows], seq_lens[rows], heads, scale, window
+        )
+        assert torch.equal(part, got[rows]), rows
+    with pytest.raises(RuntimeError, match="both alike"):  # K and V in one type
+        attend(qkv, (bf16[0], caches[1]), tables, row_tables, seq_lens, heads, scale, window)

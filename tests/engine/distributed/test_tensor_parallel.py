@@ -196,16 +196,25 @@ def test_two_ranks_equal_one(arch, request):
     llm.engine.workers.close()
 
 
-@pytest.mark.parametrize("bits", ["int4", "int8"])
-def test_two_ranks_quantized(tiny_llama, bits):
+@pytest.mark.parametrize(
+    ("bits", "kv_cache_dtype"), [("int4", "auto"), ("int8", "auto"), ("int4", "int8")]
+)
+def test_two_ranks_quantized(tiny_llama, bits, kv_cache_dtype):
     """Weight-only quantized projections split by whole groups of 32 inputs: the same codes as
     one rank's, so the same tokens; logprobs within 0.05 (activations are quantized to int8 per
     32 values, where a rounding difference of the all-reduce can move one code: int4 weights
     differed by up to 0.035, int8 by 2e-6). Both run the C++ layers' pieces; the split layers
-    with an all-reduce between the halves."""
-    _, reference = generate(tiny_llama, quantization=bits)
-    llm, outs = generate(tiny_llama, quantization=bits, tensor_parallel_size=2)
+    with an all-reduce between the halves. With an int8 KV cache each rank quantizes the rows
+    of its own KV heads (half of every block) as one rank would, against one rank's int8
+    cache."""
+    kw = dict(quantization=bits, kv_cache_dtype=kv_cache_dtype)
+    _, reference = generate(tiny_llama, **kw)
+    llm, outs = generate(tiny_llama, tensor_parallel_size=2, **kw)
     assert llm.engine.runner.model.layers[0].self_attn.o_proj.format.in_features == 32  # of 64
+    if kv_cache_dtype == "int8":
+        caches = llm.engine.runner.kv_caches
+        assert caches.dtype == torch.int8 and caches.k.shape[1] == caches.v.shape[1] == 1  # of 2
+        assert llm.engine.snapshot()["kv_cache_dtype"] == "int8"
     assert_same(outs, reference, tolerance=0.05)
     assert_idle(llm)
     llm.engine.workers.close()
