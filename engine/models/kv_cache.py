@@ -65,7 +65,7 @@ def kv_cache_format(kv_cache_dtype: str, model, strict: bool = True) -> torch.dt
     raise ValueError(
         f"kv_cache_dtype={kv_cache_dtype!r} differs from the model's dtype ({dtype}); a cache "
         "in another float type is read by the C++ CPU layers only, bfloat16 beside float32 "
-        "weights (a GGUF model on CPU, as the embedded models run by default)"
+        "weights (GGUF or dense float32 on CPU, SiLU MLPs)"
     )
 
 

@@ -150,12 +150,19 @@ def test_the_same_memory_holds_3_05x_the_tokens_scales_counted():
     )
 
 
-def test_int8_is_refused_where_attention_is_not_on_the_cpp_kernels(tiny_llama):
+def test_a_cache_type_is_refused_where_attention_is_not_on_the_cpp_kernels(tiny_llama):
+    """int8 needs quantized weights on the C++ layers; bfloat16 beside float32 weights needs the
+    C++ layers (dense float32 runs there too); bfloat16 weights attend in torch, so their cache
+    keeps their type."""
+    dense = dict(quantization=None, num_kv_blocks=8)
     with pytest.raises(ValueError, match="kv_cache_dtype='int8'"):
-        LLM(str(tiny_llama), quantization=None, num_kv_blocks=8, kv_cache_dtype="int8")
-    with pytest.raises(ValueError, match="kv_cache_dtype='bfloat16'"):
-        LLM(str(tiny_llama), quantization=None, num_kv_blocks=8, kv_cache_dtype="bfloat16")
-    llm = LLM(str(tiny_llama), quantization=None, num_kv_blocks=8, kv_cache_dtype="float32")
+        LLM(str(tiny_llama), kv_cache_dtype="int8", **dense)
+    with pytest.raises(ValueError, match="kv_cache_dtype='float32'"):
+        LLM(str(tiny_llama), dtype="bfloat16", kv_cache_dtype="float32", **dense)
+    llm = LLM(str(tiny_llama), kv_cache_dtype="bfloat16", **dense)
+    assert llm.engine.runner.model.fused_layers
+    assert llm.engine.runner.kv_caches.dtype == torch.bfloat16
+    llm = LLM(str(tiny_llama), kv_cache_dtype="float32", **dense)
     assert llm.engine.runner.kv_caches.dtype == torch.float32
 
 
