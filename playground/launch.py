@@ -207,12 +207,8 @@ def build_state(args: argparse.Namespace, adapters: dict[str, LoRARequest]) -> S
         engine = _replicas(args, config, adapters)
     else:
         from engine.entrypoints.async_engine import AsyncEngine
-        from engine.llm_engine import LLMEngine
 
-        llm = LLMEngine(config)
-        for adapter in adapters.values():  # load now: a bad adapter fails at start, not later
-            llm.load_lora(adapter)
-        engine = AsyncEngine(llm)
+        engine = AsyncEngine.loading(config, adapters.values())
     body_limit = {"max_body_bytes": args.max_body_bytes} if args.max_body_bytes else {}
     keys = api_keys(args.api_key)
     return ServerState(

@@ -22,11 +22,10 @@ API_KEY = "test-key-123"
 
 
 def make_state(model: str, adapters=None, show_cached_tokens=False, **config) -> ServerState:
-    engine = LLMEngine(EngineConfig(model=model, num_threads=1, **config))
-    for a in (adapters or {}).values():
-        engine.load_lora(a)
     adapters = dict(adapters or {})
-    state = ServerState(AsyncEngine(engine), model, adapters, api_keys=(API_KEY,))
+    config = EngineConfig(model=model, num_threads=1, **config)
+    state = ServerState(AsyncEngine.loading(config, adapters.values()), model, adapters,
+                        api_keys=(API_KEY,))  # fmt: skip
     state.show_cached_tokens = show_cached_tokens
     return state
 

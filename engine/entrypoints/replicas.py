@@ -45,12 +45,7 @@ class EngineReplica:
     """One engine in a Ray actor: the deployment's body."""
 
     def __init__(self, config: EngineConfig, adapters: list[LoRARequest]):
-        from engine.llm_engine import LLMEngine
-
-        engine = LLMEngine(config)
-        for adapter in adapters:  # a bad adapter fails the replica's start, not a request
-            engine.load_lora(adapter)
-        self.engine = AsyncEngine(engine)
+        self.engine = AsyncEngine.loading(config, adapters)
 
     def describe(self) -> dict:
         """What the server needs to tokenize and check requests without a model of its own."""
