@@ -246,3 +246,36 @@ def test_each_key_sees_its_own_requests_and_counts_of_the_rest(shared):
     assert answer.result().endswith("[DONE]\n\n")
     snap = wait_idle(state.engine)
     assert snap["num_free_blocks"] == snap["num_blocks"]
+
+
+def test_the_page_shows_the_refusal(shared):
+    """In the browser (signed in with the /login cookie) a refused generate shows the API's
+    message on the page, the limit named."""
+    from playwright.sync_api import sync_playwright
+    from test_playground import _chromium
+
+    url, state = shared
+    ours = client(url, API_KEY)
+    form_type = {"Content-Type": "application/x-www-form-urlencoded"}
+    login = httpx.post(url + "/login", content=f"key={OTHER_KEY}", headers=form_type)
+    name, _, token = login.headers["set-cookie"].split(";")[0].partition("=")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=_chromium(), args=["--no-sandbox", "--disable-gpu"]
+        )
+        try:
+            context = browser.new_context(viewport={"width": 1400, "height": 1500})
+            context.add_cookies([{"name": name, "value": token, "url": url}])
+            page = context.new_page()
+            page.goto(url + "/", wait_until="load")
+            page.wait_for_selector("#generate", timeout=60_000)
+            with paused(state):  # (the views still refresh: the engine's lock is free)
+                jobs = [ours.submit(*form("abc"), api_name="/generate") for _ in range(2)]
+                until(lambda: state.admission.num_requests == 2, "two requests held")
+                page.fill("#prompt textarea", "abc")
+                page.click("#generate")
+                page.get_by_text(FULL).wait_for(timeout=60_000)
+        finally:
+            browser.close()
+    assert all("finished" in job.result()[1] for job in jobs)
+    assert_all_returned(state)
