@@ -42,25 +42,25 @@ def lora_state(engine) -> dict:
 
 
 def snapshot(engine) -> dict:
-    """summary() with every request's block table and every block in use or cached (what the
-    playground draws)."""
+    """summary() with every request's block table and the end of its text, and every block in
+    use or cached (what the playground draws; a tenant's view: engine.entrypoints.tenancy)."""
     kv, pool = engine.kv, engine.kv.pool
-    requests = []
-    for request, table in kv.block_tables.items():
-        requests.append(
-            {
-                "request_id": request.request_id,
-                "index": request.index,
-                "status": request.status.name,
-                "num_tokens": request.num_tokens,
-                "num_computed_tokens": request.num_computed_tokens,
-                "num_cached_tokens": max(0, request.num_cached_tokens),
-                "block_table": list(table),
-                "spec": engine.speculation.describe_request(request),
-                "constraint": request.grammar.kind if request.grammar is not None else None,
-                "lora": request.lora.name if request.lora is not None else None,
-            }
-        )
+    requests = [
+        {
+            "request_id": request.request_id,
+            "index": request.index,
+            "status": request.status.name,
+            "num_tokens": request.num_tokens,
+            "num_computed_tokens": request.num_computed_tokens,
+            "num_cached_tokens": max(0, request.num_cached_tokens),
+            "block_table": list(table),
+            "spec": engine.speculation.describe_request(request),
+            "constraint": request.grammar.kind if request.grammar is not None else None,
+            "lora": request.lora.name if request.lora is not None else None,
+            "tail_token_ids": request.token_ids[-48:],  # its text's end (prompt, output so far)
+        }
+        for request, table in kv.block_tables.items()
+    ]
     blocks = {
         b: {
             "ref_count": pool.ref_counts[b],

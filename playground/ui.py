@@ -1,11 +1,14 @@
 """The Gradio playground, mounted on the HTTP server's app: a multi-turn chat (or completion)
 panel with sampling, speculation, prediction, adapter and constraint controls; a race of the
 same request with and without speculation; live views of the engine (refreshed twice a second,
-so requests from HTTP clients show up too) and a load-test button."""
+so requests from HTTP clients show up too; with API keys, the signed-in key's requests alone)
+and a load-test button (playground.load_test). Every request goes through the server's
+admission control (playground.gate)."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
@@ -15,38 +18,16 @@ import gradio as gr
 from fastapi import FastAPI
 
 from engine.entrypoints.llm import chat_prompt_ids
-from engine.entrypoints.openai.middleware import KeyRing
+from engine.entrypoints.openai.admission import Ticket
+from engine.entrypoints.openai.protocol import APIError
 from engine.entrypoints.openai.server import ServerState
 from engine.entrypoints.tools import Tools, parse_tool_calls
 from engine.sampling_params import SamplingParams
-from playground import views
+from playground import load_test, views
+from playground.gate import Gate
 
 BASE = "(base model)"
 CONSTRAINTS = ["none", "json schema", "regex", "grammar (EBNF)", "choice"]
-SYSTEM_PROMPT = (
-    "You are Tandem's demo assistant. You answer in one or two short sentences, plainly, "
-    "without lists, and you never repeat the question back."
-)
-LOAD_QUESTIONS = [
-    "What is a KV cache?",
-    "Name a prime number.",
-    "Why is the sky blue?",
-    "What does a compiler do?",
-    "Give me a colour.",
-    "What is speculative decoding?",
-    "Describe a cat in one sentence.",
-    "What is 12 times 12?",
-]
-_LOAD_CONSTRAINTS = {  # request index % 4 -> its constraint
-    1: {
-        "json": {
-            "type": "object",
-            "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
-            "required": ["name", "age"],
-        }
-    },
-    3: {"choice": ["yes", "no", "maybe"]},
-}
 
 
 # The generate form's fields, in the order its handler (and the `generate` API endpoint) takes
@@ -124,18 +105,7 @@ class Playground:
         self.state = state
         self.history = views.History()
         self.method = state.engine.engine.config.spec_method
-        self.keys = KeyRing(state.api_keys) if state.api_keys else None
-
-    def cache_salt(self, request: gr.Request | None) -> str | None:
-        """The signed-in key's own cache salt (as its API requests get: tenants share no KV
-        through the playground either); None on a server without keys."""
-        if self.keys is None:
-            return None
-        headers = getattr(request, "headers", None) or {}
-        salt = self.keys.tenant_salt(headers.get("authorization", ""), headers.get("cookie", ""))
-        if salt is None:  # (APIKeyCheck lets no such request through)
-            raise gr.Error("sign in with this server's API key at /login")
-        return salt
+        self.gate = Gate(state)
 
     # ---- handlers -----------------------------------------------------------------------------
     async def generate(self, request: gr.Request, *values):
@@ -147,14 +117,15 @@ class Playground:
         exactly what its page showed."""
         form, conversation = Form(*values[:-1]), _messages(values[-1])
         with_tools = form.mode == "chat" and form.tool_choice != "none" and bool(form.tools)
+        ticket, stream = self.gate.ticket(), None
         try:
-            stream = await self._submit(form, conversation, self.cache_salt(request))
-        except ValueError as exc:
-            raise gr.Error(str(exc)) from None
-        render = _Renderer(self.state.tokenizer)
-        # Every yield carries every output: Gradio's streamed diffs went wrong with gr.skip().
-        shown = ("", "", conversation)
-        try:
+            try:
+                stream = await self._submit(form, conversation, ticket, self.gate.tenant(request))
+            except (ValueError, APIError) as exc:
+                raise gr.Error(str(exc)) from None
+            render = _Renderer(self.state.tokenizer)
+            # Every yield carries every output: Gradio's streamed diffs went wrong with gr.skip().
+            shown = ("", "", conversation)
             async for out in stream.cumulative():
                 shown = (render(out), _stats(out, render.seconds, with_tools), *shown[2:])
                 if form.mode == "chat" and out.finished:
@@ -165,7 +136,9 @@ class Playground:
                     shown = (*shown[:2], conversation + turn)
                 yield shown
         finally:
-            stream.close()
+            if stream is not None:
+                stream.close()
+            ticket.release()
 
     async def race(self, request: gr.Request, *values):
         """The form's request twice at once, with the form's speculation (and prediction) and
@@ -176,12 +149,7 @@ class Playground:
         if form.method == "off" and not (form.prediction or "").strip():
             form = form._replace(method=self.method or "off")  # something to race with
         plain = form._replace(method="off", prediction="")
-        try:
-            salt = self.cache_salt(request)
-            streams = [await self._submit(f, conversation, salt) for f in (form, plain)]
-        except ValueError as exc:
-            raise gr.Error(str(exc)) from None
-        shown = [("", ""), ("", "")]
+        ticket, streams, tasks = self.gate.ticket(), [], []
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(side: int, stream) -> None:
@@ -192,8 +160,15 @@ class Playground:
             finally:
                 await queue.put((side, None, None))
 
-        tasks = [asyncio.ensure_future(pump(i, st)) for i, st in enumerate(streams)]
-        try:
+        try:  # (a refused second side closes the first: nothing stays held)
+            try:
+                tenant = self.gate.tenant(request)
+                for f in (form, plain):
+                    streams.append(await self._submit(f, conversation, ticket, tenant))
+            except (ValueError, APIError) as exc:
+                raise gr.Error(str(exc)) from None
+            shown = [("", ""), ("", "")]
+            tasks = [asyncio.ensure_future(pump(i, st)) for i, st in enumerate(streams)]
             running = len(tasks)
             while running:
                 side, html, stats = await queue.get()
@@ -207,10 +182,14 @@ class Playground:
                 task.cancel()
             for st in streams:
                 st.close()
+            ticket.release()
 
-    async def _submit(self, form: Form, conversation: list[dict], cache_salt: str | None = None):
-        """The form's request (in chat mode, the next turn of `conversation`) under the key's
-        cache salt, added to the engine; ValueError for a bad field."""
+    async def _submit(
+        self, form: Form, conversation: list[dict], ticket: Ticket, tenant: str | None
+    ):
+        """The form's request (in chat mode, the next turn of `conversation`) held on `ticket`
+        (Gate.hold: APIError past a limit) and added to the engine as the tenant's; ValueError
+        for a bad field."""
         seed = None if form.seed is None or int(form.seed) < 0 else int(form.seed)
         params = SamplingParams(
             temperature=float(form.temperature),
@@ -231,17 +210,19 @@ class Playground:
         if form.mode == "chat":
             messages = [*conversation, {"role": "user", "content": form.prompt}]
             shown = tools.in_prompt if tools else None
-            ids = chat_prompt_ids(tokenizer, messages, tools=shown)
+            tokenize = functools.partial(chat_prompt_ids, tokenizer, messages, tools=shown)
         else:
-            ids = tokenizer.encode(form.prompt)
+            tokenize = functools.partial(tokenizer.encode, form.prompt)
         lora = self.state.adapters.get(form.adapter) if form.adapter != BASE else None
-        request_id = f"ui-{uuid.uuid4().hex[:8]}"
-        return await self.state.engine.add_request(
-            request_id, ids, params, lora_request=lora, cache_salt=cache_salt
-        )
+        ids = self.gate.hold(ticket, tokenize, params.n)
+        return await self.gate.add(f"ui-{uuid.uuid4().hex[:8]}", ids, params, lora, tenant)
 
-    async def refresh(self):
-        snap = await asyncio.to_thread(self.state.engine.snapshot)
+    async def refresh(self, request: gr.Request):
+        """The live views, as the signed-in key may see them (engine.entrypoints.tenancy)."""
+        tenant = self.gate.tenant(request)
+        snap = await asyncio.to_thread(self.state.engine.snapshot, tenant)
+        snap["is_tenant_view"] = tenant is not None  # (blocks not listed may be others')
+        views.add_text(snap, self.state.tokenizer)
         self.history.observe(snap)
         return (
             views.render_blocks(snap),
@@ -251,63 +232,9 @@ class Playground:
         )
 
     async def load_test(self, request: gr.Request, num_requests):
-        """N concurrent requests (see _load_jobs; Gradio holds N to the slider's range, over
-        its API too) under the signed-in key's cache salt. The first goes ahead until its first
-        token, so its prompt blocks are cached when the others arrive (requests admitted in the
-        same step do not share what none of them has computed yet). Returns a summary line."""
-        jobs = self._load_jobs(int(num_requests), self.cache_salt(request))
-        start = time.monotonic()
-        started = asyncio.Event()
-        first = asyncio.ensure_future(self._run_one(*jobs[0], started))
-        await started.wait()
-        rest = [self._run_one(*job) for job in jobs[1:]]
-        results = await asyncio.gather(first, *rest, return_exceptions=True)
-        seconds = time.monotonic() - start
-        done = [r for r in results if not isinstance(r, BaseException)]
-        errors = [r for r in results if isinstance(r, BaseException)]
-        tokens = sum(len(o.outputs[0].token_ids) for o in done)
-        cached = sum(o.num_cached_tokens for o in done)
-        summary = (
-            f"load test: {len(done)}/{len(results)} requests finished in {seconds:.1f} s, "
-            f"{tokens} tokens ({tokens / seconds:.1f} tokens/s), {cached} prompt tokens "
-            "from the prefix cache"
-        )
-        if errors:
-            summary += f"; {len(errors)} failed: {errors[0]!r}"
-        return summary
-
-    def _load_jobs(self, num_requests: int, cache_salt: str | None = None) -> list[tuple]:
-        """(request id, prompt ids, params, adapter, cache salt) per request: half share a
-        system prompt, every third uses an adapter (if any), every fourth is constrained."""
-        adapters = list(self.state.adapters.values())
-        jobs = []
-        for i in range(num_requests):
-            messages = [{"role": "user", "content": LOAD_QUESTIONS[i % len(LOAD_QUESTIONS)]}]
-            if i % 2 == 0:
-                messages.insert(0, {"role": "system", "content": SYSTEM_PROMPT})
-            constraint = _LOAD_CONSTRAINTS.get(i % 4)
-            params = SamplingParams(
-                temperature=0.7, seed=i, max_tokens=48, structured_outputs=constraint
-            )
-            lora = adapters[(i // 3) % len(adapters)] if adapters and i % 3 == 2 else None
-            ids = chat_prompt_ids(self.state.tokenizer, messages)
-            jobs.append((f"load-{i}-{uuid.uuid4().hex[:6]}", ids, params, lora, cache_salt))
-        return jobs
-
-    async def _run_one(self, request_id, ids, params, lora, cache_salt, started=None):
-        """The request's finished output; `started` (an asyncio.Event), if given, is set at its
-        first output, or when it ends without one."""
-        stream = None
-        try:
-            stream = await self.state.engine.add_request(
-                request_id, ids, params, lora_request=lora, cache_salt=cache_salt
-            )
-            return await stream.last(started.set if started is not None else None)
-        finally:
-            if stream is not None:
-                stream.close()
-            if started is not None:
-                started.set()
+        """N concurrent requests, as many as the server's limits take (playground.load_test;
+        Gradio holds N to the slider's range, over its API too); a summary line."""
+        return await load_test.run(self.gate, self.gate.tenant(request), int(num_requests))
 
     # ---- layout -------------------------------------------------------------------------------
     def _controls(self) -> Form:

@@ -151,6 +151,12 @@ def sparkline(values: list[float | None], top: float | None = None, w: int = 260
 
 
 # ---- blocks ---------------------------------------------------------------------------------
+def add_text(snap: dict, tokenizer) -> None:
+    """Each request's `text`: its tail_token_ids decoded (the end of its prompt and output)."""
+    for r in snap["requests"]:
+        r["text"] = tokenizer.decode(r["tail_token_ids"]) if r.get("tail_token_ids") else ""
+
+
 def _bar(parts: list[tuple[str, int, str]], total: int) -> str:
     cells = "".join(
         f'<div title="{label}: {n}" style="width:{100 * n / total:.2f}%;background:{c}"></div>'
@@ -186,6 +192,7 @@ def render_blocks(snap: dict, max_cells: int = 1024) -> str:
     )
     owners = owners_by_block(snap)
     blocks = snap["blocks"]
+    other = "free, or another key's" if snap.get("is_tenant_view") else "free"
     cells = []
     for b in range(1, min(total, max_cells) + 1):
         info = blocks.get(b) or blocks.get(str(b))
@@ -196,8 +203,8 @@ def render_blocks(snap: dict, max_cells: int = 1024) -> str:
             title = f"block {b}: ref {ref}, " + ", ".join(f"{r}/{i}" for r, i in who)
         elif info and info["hash"]:
             colour, title = "#9aa4b5", f"block {b}: cached {info['hash']}"
-        else:
-            colour, title = "#e8ebf2", f"block {b}: free"
+        else:  # (a key's view lists its own blocks alone: the pool bar counts the rest)
+            colour, title = "#e8ebf2", f"block {b}: {other}"
         shared = ref > 1
         border = "2px solid #111" if shared else "1px solid #fff"
         label = str(ref) if shared else ""
@@ -236,8 +243,10 @@ def render_block_tables(snap: dict) -> str:
             f"{r['num_computed_tokens']}/{r['num_tokens']} tokens, "
             f"{r['num_cached_tokens']} from cache"
         )
+        text = html.escape(r.get("text", "")).replace("\n", "↵")
         rows.append(
             f'<tr class="blk-row"><td style="white-space:nowrap">{name}</td><td>{detail}</td>'
+            f'<td class="blk-text">…{text}</td>'
             f'<td><div class="blk-grid">{"".join(cells)}</div></td></tr>'
         )
     return '<table class="blk-tables">' + "".join(rows) + "</table>"
@@ -248,6 +257,7 @@ _BLOCK_CSS = """<style>
 .blk{width:15px;height:15px;font-size:9px;line-height:13px;text-align:center;box-sizing:border-box;
  color:#111}
 .blk-tables td{padding:2px 6px;font-size:12px;vertical-align:top}
+.blk-text{max-width:22em;font-family:monospace;font-size:11px;color:#444;word-break:break-all}
 </style>"""
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.entrypoints.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from engine.entrypoints.tenancy import tenant_view
 from engine.introspection import summary
 from engine.llm_engine import LLMEngine
 from engine.outputs import OutputAccumulator, RequestOutput
@@ -50,6 +51,7 @@ class _Stream:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     unread: OutputAccumulator = field(default_factory=OutputAccumulator)
     error: BaseException | None = None
+    tenant: str | None = None  # whose request it is (a server with API keys: the key's salt)
 
     def put(self, out: RequestOutput | None, error: BaseException | None = None) -> None:
         def deliver() -> None:
@@ -276,17 +278,18 @@ class AsyncEngine:
         params: SamplingParams,
         lora_request: LoRARequest | None = None,
         cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> RequestStream:
         """Submit one request; raises ValueError if the engine refuses it. Returns its stream of
         outputs (params' output_kind is replaced: DELTA); close() it (or cancel its reader) to
-        abort the request."""
+        abort the request. `tenant`: whose it is (snapshot(tenant) shows it to them alone)."""
         params = params.with_output_kind(RequestOutputKind.DELTA)
         # Compile the constraint here, off the loop thread, awaited without holding a thread;
         # the engine's add_request then takes the grammar as it is.
         grammar = await self.engine.compile_constraint_async(params.structured_outputs)
         if params.thinking_token_budget is not None and self.engine.grammar is None:
             await asyncio.to_thread(self.engine.grammar_manager)  # (xgrammar's tables, once)
-        stream = _Stream(asyncio.get_running_loop())
+        stream = _Stream(asyncio.get_running_loop(), tenant=tenant)
 
         def add() -> None:
             self.engine.add_request(
@@ -359,9 +362,21 @@ class AsyncEngine:
         if not self._stopped:
             self._submit(abort)
 
-    def snapshot(self) -> dict:
-        """The engine's snapshot, taken between steps (blocks the caller for at most a step)."""
-        return self._between_steps(self.engine.snapshot)
+    def snapshot(self, tenant: str | None = None) -> dict:
+        """The engine's snapshot, taken between steps (blocks the caller for at most a step);
+        with a tenant, what that tenant may see of it (engine.entrypoints.tenancy): requests
+        added with another tenant, or none (beam searches), are left out."""
+
+        def read() -> dict:
+            snap = self.engine.snapshot()
+            if tenant is None:
+                return snap
+            # A stream is registered under the lock, in the command that adds its request; one
+            # whose request ended may stay a moment longer (its request is in no table then).
+            owned = {rid for rid, s in list(self._streams.items()) if s.tenant == tenant}
+            return tenant_view(snap, owned)
+
+        return self._between_steps(read)
 
     def summary(self) -> dict:
         """The snapshot's counters and gauges alone (no walk over requests and blocks)."""

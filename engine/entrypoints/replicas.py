@@ -245,8 +245,10 @@ class Replicas:
         params: SamplingParams,
         lora_request: LoRARequest | None = None,
         cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> ReplicaStream:
-        """Route and submit one request; raises what the replica's engine raises on refusal."""
+        """Route and submit one request; raises what the replica's engine raises on refusal.
+        (`tenant` stays here: the replicas' snapshot() holds counts only, the same for all.)"""
         if self._stopped:
             raise EngineDeadError("the replicas are shut down")
         sub = Submission(request_id, list(prompt), params, lora_request, cache_salt)
@@ -289,9 +291,9 @@ class Replicas:
         """Each replica's engine summary (for /metrics), by replica id."""
         return {k: r["summary"] for k, r in self.reports().items()}
 
-    def snapshot(self) -> dict:
+    def snapshot(self, tenant: str | None = None) -> dict:
         """The first replica's summary (/v1/snapshot; the playground's views draw one engine
-        and refuse replicas)."""
+        and refuse replicas): counts only, the same for every tenant."""
         summaries = self.summaries()
         return next(iter(summaries.values())) if summaries else {}
 

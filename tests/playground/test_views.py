@@ -49,6 +49,22 @@ def test_shared_blocks_show_their_reference_count():
     assert "2 blocks (1, 2)" in sharing and "a/0, b/0" in sharing
 
 
+def test_block_tables_show_the_end_of_each_requests_text():
+    """A request's row shows its decoded tail_token_ids, escaped (the text is a user's); a
+    key's view (engine.entrypoints.tenancy, marked by the playground) draws the blocks it does
+    not list as possibly another key's, not as free."""
+    tok = byte_tokenizer()
+    r = request("a", [1])
+    r["tail_token_ids"] = tok.encode("<b>hi</b>\nthere")
+    s = snap([r], {1: {"ref_count": 1, "hash": None}}, num_blocks=3)
+    views.add_text(s, tok)
+    html = views.render_blocks(s)
+    assert '<td class="blk-text">…&lt;b&gt;hi&lt;/b&gt;↵there</td>' in html
+    assert "block 2: free" in html and "another key" not in html
+    html = views.render_blocks(s | {"is_tenant_view": True})
+    assert "block 2: free, or another key&#x27;s" in html
+
+
 def test_rejected_drafts_are_struck_before_the_token_that_replaced_them():
     html = views.render_tokens(["A", "B", "C"], "pab", [(2, "xy")])
     assert html.index("<s class") > html.index(">B<") and html.index("<s class") < html.index(">C<")

@@ -148,9 +148,11 @@ def build_app(state: ServerState) -> FastAPI:
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/snapshot")
-    async def snapshot() -> dict:
-        """What the playground draws: blocks, tables, sharing, speculation, adapters."""
-        return await asyncio.to_thread(state.engine.snapshot)
+    async def snapshot(request: Request) -> dict:
+        """What the playground draws: blocks, tables, sharing, speculation, adapters (with API
+        keys: the key's own requests, and counts of the rest; engine.entrypoints.tenancy)."""
+        tenant = getattr(request.state, "tenant_salt", None)
+        return await asyncio.to_thread(state.engine.snapshot, tenant)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -308,9 +310,11 @@ async def _answer(state: ServerState, request: Request, kind: str, ticket: Ticke
     what = "messages" if is_chat else "prompt"
     _check_max_tokens(state, ids, params, what)
     # With API keys, a request without a salt takes its key's: tenants share no KV unless
-    # their requests give the same cache_salt.
-    salt = body.get("cache_salt") or getattr(request.state, "tenant_salt", None)
-    streams = await _add_all(state, ctx.id, ids, params, lora, salt, body, what)
+    # their requests give the same cache_salt. The key's salt also names the request's tenant
+    # (whose snapshot shows it).
+    tenant = getattr(request.state, "tenant_salt", None)
+    salt = body.get("cache_salt") or tenant
+    streams = await _add_all(state, ctx.id, ids, params, lora, salt, body, what, tenant)
     with_spec_stats = bool(body.get("return_spec_stats"))
     if body.get("stream"):
         events = _sse(ctx, streams, protocol.include_usage(body), with_spec_stats)
@@ -358,14 +362,16 @@ def request_failed(out: RequestOutput) -> APIError:
     return APIError(out.error, status=500, type="server_error")
 
 
-async def _add_all(state, request_id, ids, params, lora, salt, body, what) -> list[RequestStream]:
+async def _add_all(
+    state, request_id, ids, params, lora, salt, body, what, tenant=None
+) -> list[RequestStream]:
     """Submit every prompt (as request_id-0, -1, ...), or none: a refused one aborts those
     already added."""
     streams: list[RequestStream] = []
     try:
         for i, prompt in enumerate(ids):
             stream = await state.engine.add_request(
-                f"{request_id}-{i}", prompt, params, lora, cache_salt=salt
+                f"{request_id}-{i}", prompt, params, lora, cache_salt=salt, tenant=tenant
             )
             streams.append(stream)
     except BaseException as exc:
