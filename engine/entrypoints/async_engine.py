@@ -325,14 +325,14 @@ class AsyncEngine:
         return await done
 
     async def beam_search(
-        self, prompts: list[list[int]], params: BeamSearchParams
+        self, prompts: list[list[int]], params: BeamSearchParams, cache_salt: str | None = None
     ) -> list[BeamSearchOutput]:
         """Run a beam search (engine.entrypoints.beam_search) on the loop; ValueError if the engine
         refuses it. Cancelling the caller aborts its beams."""
         done: asyncio.Future = asyncio.get_running_loop().create_future()
 
         def start() -> None:
-            search = BeamSearch(self.engine, params)
+            search = BeamSearch(self.engine, params, cache_salt)
             try:
                 search.start(prompts)
             except BaseException:

@@ -98,8 +98,10 @@ class BeamSearch:
     """Runs beam searches for several prompts at once on one engine (its other requests, if
     any, keep running beside them)."""
 
-    def __init__(self, engine, params: BeamSearchParams):
-        self.engine, self.params = engine, params
+    def __init__(self, engine, params: BeamSearchParams, cache_salt: str | None = None):
+        """cache_salt: the prefix cache's salt for every beam (forks keep their parent's), as
+        an ordinary request's: a server's tenant shares no KV with another's."""
+        self.engine, self.params, self.cache_salt = engine, params, cache_salt
         eos = set() if params.ignore_eos else set(engine.eos_token_ids)
         self.eos = eos
         self.num_candidates = (1 + len(eos)) * params.beam_width
@@ -162,7 +164,7 @@ class BeamSearch:
 
     def _start(self, search: _Search) -> None:
         rid = self._new_id()
-        self.engine.add_request(rid, search.prompt, self.step_params)
+        self.engine.add_request(rid, search.prompt, self.step_params, cache_salt=self.cache_salt)
         request = self.engine.groups[rid].leader
         beam = _Beam(request, _f32(0.0))
         search.beams.append(beam)

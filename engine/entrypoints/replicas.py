@@ -69,8 +69,8 @@ class EngineReplica:
         finally:
             stream.close()
 
-    async def beam_search(self, prompts: list[list[int]], params):
-        return await self.engine.beam_search(prompts, params)
+    async def beam_search(self, prompts: list[list[int]], params, cache_salt=None):
+        return await self.engine.beam_search(prompts, params, cache_salt)
 
     async def load_lora(self, adapter: LoRARequest) -> None:
         await self.engine.call(lambda: self.engine.engine.load_lora(adapter))
@@ -260,8 +260,8 @@ class Replicas:
             raise
         return ReplicaStream(self, request_id, response)
 
-    async def beam_search(self, prompts: list[list[int]], params):
-        call = self.handle.options(stream=False).beam_search.remote(prompts, params)
+    async def beam_search(self, prompts: list[list[int]], params, cache_salt=None):
+        call = self.handle.options(stream=False).beam_search.remote(prompts, params, cache_salt)
         try:
             return await _unwrapped(call, "beam search")
         except asyncio.CancelledError:

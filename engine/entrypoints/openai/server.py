@@ -309,11 +309,8 @@ async def _answer(state: ServerState, request: Request, kind: str, ticket: Ticke
     ctx.with_prediction = body.get("prediction") is not None
     what = "messages" if is_chat else "prompt"
     _check_max_tokens(state, ids, params, what)
-    # With API keys, a request without a salt takes its key's: tenants share no KV unless
-    # their requests give the same cache_salt. The key's salt also names the request's tenant
-    # (whose snapshot shows it).
-    tenant = getattr(request.state, "tenant_salt", None)
-    salt = body.get("cache_salt") or tenant
+    tenant = getattr(request.state, "tenant_salt", None)  # whose snapshot shows the request
+    salt = cache_salt(request, body)
     streams = await _add_all(state, ctx.id, ids, params, lora, salt, body, what, tenant)
     with_spec_stats = bool(body.get("return_spec_stats"))
     if body.get("stream"):
@@ -326,6 +323,12 @@ async def _answer(state: ServerState, request: Request, kind: str, ticket: Ticke
     if failed:  # its own processing failed; the engine and other requests are fine
         raise request_failed(failed)
     return JSONResponse(responses.final_response(ctx, finals, with_spec_stats), headers=headers)
+
+
+def cache_salt(request: Request, body: dict) -> str | None:
+    """The prefix cache's salt for a request's KV. With API keys a request without a salt takes
+    its key's: tenants share no KV unless their requests give the same cache_salt."""
+    return body.get("cache_salt") or getattr(request.state, "tenant_salt", None)
 
 
 async def _beam_search(
@@ -342,7 +345,7 @@ async def _beam_search(
     n = body.get("n") or 1
     ctx = ResponseContext(kind, body.get("model") or state.model_name, n=n)
     _check_max_tokens(state, ids, params, "messages" if is_chat else "prompt")
-    search = asyncio.ensure_future(state.engine.beam_search(ids, params))
+    search = asyncio.ensure_future(state.engine.beam_search(ids, params, cache_salt(request, body)))
     try:
         found = await _results_unless_disconnected(request, [search])
     except ValueError as exc:

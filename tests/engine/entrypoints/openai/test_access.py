@@ -128,6 +128,24 @@ def test_each_key_has_its_own_prefix_cache(tiny_llama):
         assert cached(OTHER_KEY, cache_salt="shared") == 32  # the same salt, given: shared
 
 
+def test_a_beam_search_caches_under_its_keys_salt(tiny_llama):
+    """A beam search's KV is its key's too: after one, the same key's request finds the prompt
+    cached and another key's does not (the beams once ran unsalted: a cache every key shared,
+    and the searching key's own requests missed it)."""
+    with tiny_serving(tiny_llama, api_keys=(API_KEY, OTHER_KEY), show_cached_tokens=True) as (
+        url,
+        state,
+    ):
+        beams = dict(use_beam_search=True, best_of=2, max_tokens=2, temperature=0)
+        body = {"model": "tiny", "prompt": PROMPT, **beams}
+        r = httpx.post(url + "/v1/completions", json=body, headers=BEARER, timeout=60)
+        assert r.status_code == 200, r.text
+        wait_idle(state.engine)
+        usage = [complete(url, key)["prompt_tokens_details"]["cached_tokens"]
+                 for key in (OTHER_KEY, API_KEY)]  # fmt: skip
+        assert usage == [0, 32]
+
+
 def test_cached_tokens_only_with_the_server_flag(tiny_llama):
     with tiny_serving(tiny_llama, api_keys=(API_KEY,)) as (url, state):
         complete(url, API_KEY)
