@@ -120,7 +120,8 @@ async def run(gate: Gate, tenant: str | None, num_requests: int) -> str:
         for job in held:  # (those that ran gave theirs back already)
             job.ticket.release()
     seconds = time.monotonic() - start
-    done = [r for r in results if not isinstance(r, BaseException)]
+    # (None: a request that ended with no output at all, aborted before its first token)
+    done = [r for r in results if r is not None and not isinstance(r, BaseException)]
     errors = [r for r in results if isinstance(r, BaseException)]
     tokens = sum(len(o.outputs[0].token_ids) for o in done)
     cached = sum(o.num_cached_tokens for o in done)
