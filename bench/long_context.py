@@ -3,6 +3,7 @@ verification step at a depth of D tokens already in the cache.
 
     python -m bench.long_context [--model qwen2.5-coder-0.5b-instruct] [--depths 0,1024,3008]
                                  [--threads 1,2] [--repeats 2] [--llama-cpp DIR]
+                                 [--verify-rows 16]
 
 At each depth D (a multiple of the block size, so that exactly D are cached; real English
 text, bench/quality.py's; the engine's default GGUF path):
@@ -10,11 +11,12 @@ text, bench/quality.py's; the engine's default GGUF path):
   request): 512 / seconds; llama.cpp: `llama-bench -p 512 -d D` (pp512 @ dD);
 - decode: 64 greedy tokens (EOS ignored) after a prompt of D + 1 tokens, the first D cached:
   per token after the first; llama.cpp: `llama-bench -n 64 -d D` (tg64 @ dD);
-- verify: 16 more tokens after D cached ones (the rows a 15-token draft is verified in, one
-  logits row as here), milliseconds; no llama.cpp counterpart.
+- verify: R more tokens after D cached ones (R = 16: the rows a proposer's 15-token draft is
+  verified in, 32 a prediction's 31; one logits row as here), milliseconds, for each R of
+  --verify-rows; no llama.cpp counterpart.
 Sides alternated per round, a warm-up round first; median (min-max) of --repeats.
 Last line: RESULT prompt_x_llamacpp_t{T}_d{D}=.. decode_x_llamacpp_t{T}_d{D}=..
-verify16_ms_t{T}_d{D}=..
+verify{R}_ms_t{T}_d{D}=..
 """
 
 from __future__ import annotations
@@ -35,10 +37,10 @@ from pathlib import Path
 from bench.decode import llama_cpp_dir
 from bench.harness import load_average
 
-CHUNK, NEW, VERIFY = 512, 64, 16
+CHUNK, NEW = 512, 64
 
 
-def engine_side(llm, ids: list[int], depth: int) -> dict[str, float]:
+def engine_side(llm, ids: list[int], depth: int, verify_rows: list[int]) -> dict[str, float]:
     from engine import SamplingParams
 
     one = SamplingParams(temperature=0, max_tokens=1)
@@ -55,10 +57,10 @@ def engine_side(llm, ids: list[int], depth: int) -> dict[str, float]:
         return stamps[0] - start, stamps
 
     prompt_s, _ = timed(CHUNK, one)
-    verify_s, _ = timed(VERIFY, one)
+    verify = {f"verify{n}_ms": timed(n, one)[0] * 1e3 for n in verify_rows}
     _, stamps = timed(1, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
     per_token = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
-    return {"prompt": CHUNK / prompt_s, "decode": 1 / per_token, "verify_ms": verify_s * 1e3}
+    return {"prompt": CHUNK / prompt_s, "decode": 1 / per_token} | verify
 
 
 def llama_side(bin_dir: Path, gguf: Path, threads: int, depth: int) -> dict[str, float]:
@@ -76,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--llama-cpp", default=None)
+    ap.add_argument("--verify-rows", default="16")
     args = ap.parse_args(argv)
     from bench.quality import held_text
     from engine import LLM
@@ -86,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         print("llama.cpp: no binaries (--llama-cpp DIR or TANDEM_LLAMA_CPP): its side skipped")
     gguf = next(resolve_model(args.model).glob("*.gguf"))
     depths = [int(d) for d in args.depths.split(",")]
+    verify_rows = [int(n) for n in args.verify_rows.split(",")]
     result = {}
     for threads in map(int, args.threads.split(",")):
         llm = LLM(args.model, num_threads=threads, max_model_len=max(depths) + 1024)
@@ -93,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         for depth in depths:
             got: dict[str, list[float]] = {}
             for r in range(args.repeats + 1):  # round 0 warms both sides up
-                sides = engine_side(llm, ids, depth)
+                sides = engine_side(llm, ids, depth, verify_rows)
                 if bin_dir:
                     sides |= llama_side(bin_dir, gguf, threads, depth)
                 for k, v in sides.items():
@@ -104,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{k} {med[k]:.1f} ({span[k]})" for k in med
             )
             print(line + f"; load {load_average():.1f}", flush=True)
-            result[f"verify16_ms_t{threads}_d{depth}"] = f"{med['verify_ms']:.1f}"
+            for n in verify_rows:
+                result[f"verify{n}_ms_t{threads}_d{depth}"] = f"{med[f'verify{n}_ms']:.1f}"
             if bin_dir:
                 for k in ("prompt", "decode"):
                     result[f"{k}_x_llamacpp_t{threads}_d{depth}"] = (

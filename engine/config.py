@@ -20,8 +20,14 @@ QUANTIZATIONS = (None, "auto", "int4", "int8")
 KV_DTYPES = ("auto", "float32", "bfloat16", "int8")  # (engine.models.kv_cache reads them)
 DRAFT_QUANTIZATIONS = (*QUANTIZATIONS, "dynamic-int8")
 
-# Drafts per request per step; verification rows are attended in the batched short-query path.
+# Drafts per request per step from a proposer (and the most a request's k may ask for);
+# verification rows are attended in the batched short-query path.
 MAX_SPECULATIVE_TOKENS = 15
+# Drafts per request per step from a prediction (spec.prediction): once in step with the output
+# it runs on for hundreds of tokens and is almost always right, so a longer step spreads the
+# step's fixed cost further (15 / 31 / 63 compared: bench/RESULTS.md "Predicted Outputs"). The
+# most drafts any step gives a request: what sizes per-step state (grammar rollback, mask rows).
+MAX_PREDICTED_DRAFTS = 31
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import torch
 
 from engine.backends import resolve_backend
 from engine.block_pool import cache_extra_keys
-from engine.config import MAX_SPECULATIVE_TOKENS, EngineConfig
+from engine.config import EngineConfig
 from engine.detokenizer import ExactDecoder
 from engine.distributed.tensor_parallel import Workers
 from engine.errors import ParamError
@@ -225,9 +225,8 @@ class LLMEngine:
                 from engine.grammar.matcher import GrammarManager  # xgrammar: loaded when needed
 
                 cfg = self.config
-                rows = cfg.max_num_seqs * (MAX_SPECULATIVE_TOKENS + 1)
                 grammar = GrammarManager.build(
-                    self.tokenizer, self.vocab_size, self.eos_token_ids, rows, cfg
+                    self.tokenizer, self.vocab_size, self.eos_token_ids, cfg
                 )
                 self.runner.logits_masker = grammar.mask
                 self.speculation.use_grammar(grammar, cfg.grammar_forced_tokens)

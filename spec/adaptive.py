@@ -15,7 +15,10 @@ Two things are estimated online, nothing is assumed about the machine:
   sampling and verification) over every token it computes, and, with a draft model, each draft
   pass over its rows.
 
-A plan starts from no drafts (1 token per decode, the target's time for the decode rows) and adds
+A plan starts from no proposed drafts: per decode 1 token plus the drafts that ride ahead of the
+proposer's (forced tokens and a prediction's, counted as accepted; a prediction gives a request up
+to engine.config.MAX_PREDICTED_DRAFTS, a longer step than any proposer's), at the target's time
+for all those rows. It adds
 draft positions level by level: at level j the candidates are the requests that took j - 1 drafts,
 best `a` first, and the engine takes the number of them that maximises tokens / seconds, paying b
 per verified row and, with a draft model, the pass's fixed cost once plus its per-row cost (at
@@ -64,6 +67,7 @@ class Candidate:
     cap: int  # most drafts it may take this step
     catch_up_rows: int = 1  # rows the draft model runs before its first proposal
     reach: list[float] | None = None  # [j - 1]: P(drafts 1..j all accepted); default a^j
+    num_free: int = 0  # drafts ahead of the proposer's (forced, a prediction's): verified anyway
 
     def gain(self, level: int) -> float:
         """Expected tokens that draft `level` adds."""
@@ -107,9 +111,11 @@ class AdaptiveSpeculation:
     def engine_rate(self) -> float:
         return self.engine_acceptance.rate(0.5, 1.0)
 
-    def candidate(self, own: Acceptance, cap: int, catch_up_rows: int) -> Candidate:
+    def candidate(
+        self, own: Acceptance, cap: int, catch_up_rows: int, num_free: int = 0
+    ) -> Candidate:
         mine = self.acceptance(own)
-        return Candidate(mine, cap, catch_up_rows, self._reach(mine, cap))
+        return Candidate(mine, cap, catch_up_rows, self._reach(mine, cap), num_free)
 
     def _reach(self, mine: float, cap: int) -> list[float]:
         """P(drafts 1..j all land) for j = 1..cap. Acceptance is not the same at every depth
@@ -149,8 +155,8 @@ class AdaptiveSpeculation:
         if not candidates or not self.ready:
             return [c.cap for c in candidates]
         ks = [0] * len(candidates)
-        tokens = float(len(candidates))
-        seconds = self.target(len(candidates))
+        rows = sum(1 + c.num_free for c in candidates)  # decode rows and free drafts' rows
+        tokens, seconds = float(rows), self.target(rows)
         for level in range(1, max(c.cap for c in candidates) + 1):
             pool = [i for i, c in enumerate(candidates) if ks[i] == level - 1 and c.cap >= level]
             pool.sort(key=lambda i: -candidates[i].gain(level))

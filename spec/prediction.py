@@ -9,8 +9,8 @@ after the last place where output and prediction agreed (an edit moves forward),
 such match and then the earliest; failing that, the latest earlier match of at least two tokens
 (the answer went back, e.g. it repeats a line). A match of L tokens found by search drafts 2^L
 tokens until the output confirms it (a single common token is a guess; eight in a row rarely
-are); a confirmed one drafts up to the step's limit (spec.speculation: MAX_SPECULATIVE_TOKENS,
-the most draft slots a step gives a request).
+are); a confirmed one drafts up to the step's limit (engine.config.MAX_PREDICTED_DRAFTS, more
+than a proposer's MAX_SPECULATIVE_TOKENS: an aligned prediction is long and almost always right).
 
 The drafts are deterministic (q one-hot), verified like every other draft, so the output is the
 one the request would produce without a prediction; the prediction only decides how much of it

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from weakref import WeakKeyDictionary
 
-from engine.config import MAX_SPECULATIVE_TOKENS, EngineConfig
+from engine.config import MAX_PREDICTED_DRAFTS, MAX_SPECULATIVE_TOKENS, EngineConfig
 from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
@@ -97,7 +97,8 @@ class Speculation:
     def plan(self, running: list[Request]) -> dict[Request, int]:
         """Draft slots each running request asks for in the coming step (`wanted`, what the
         scheduler reads): its forced tokens and its prediction's drafts, then its own k if it set
-        one, else the engine's (a fixed k, or the adaptive plan capped by it)."""
+        one, else the engine's (a fixed k, or the adaptive plan capped by it); in all at most
+        MAX_PREDICTED_DRAFTS with a prediction's drafts, else MAX_SPECULATIVE_TOKENS."""
         self.wanted, self._forced, self._predicted = {}, {}, {}
         adaptive = []
         for request in running:
@@ -121,16 +122,24 @@ class Speculation:
         if adaptive:
             self._plan_adaptive(adaptive)
         for request in self._forced.keys() | self._predicted.keys():
-            free = len(self._forced.get(request, ())) + len(self._predicted.get(request, ()))
-            self.wanted[request] = min(free + self.wanted[request], MAX_SPECULATIVE_TOKENS)
+            free, cap = self._free(request), self._cap(request)
+            self.wanted[request] = min(free + self.wanted[request], cap)
         return self.wanted
 
+    def _free(self, request: Request) -> int:
+        """The planned drafts that cost no proposal: forced tokens, then the prediction's."""
+        return len(self._forced.get(request, ())) + len(self._predicted.get(request, ()))
+
+    def _cap(self, request: Request) -> int:
+        """The most draft slots the request may take this step."""
+        return MAX_PREDICTED_DRAFTS if request in self._predicted else MAX_SPECULATIVE_TOKENS
+
     def _plan_prediction(self, request: Request, prediction: Prediction) -> None:
-        """Up to MAX_SPECULATIVE_TOKENS drafts after the forced ones: a prediction, once in
-        step with the output, tends to run on for many tokens (an edit changes a few lines of a
-        file), so the longest run per step spreads each step's fixed cost furthest."""
+        """Up to MAX_PREDICTED_DRAFTS drafts with the forced ones: a prediction, once in step
+        with the output, tends to run on for many tokens (an edit changes a few lines of a file),
+        so a run longer than a proposer's spreads each step's fixed cost further."""
         forced = self._forced.get(request, [])
-        limit = MAX_SPECULATIVE_TOKENS - len(forced)
+        limit = MAX_PREDICTED_DRAFTS - len(forced)
         drafts = prediction.drafts(request.output_token_ids, forced, limit)
         if drafts:
             self._predicted[request] = drafts
@@ -138,10 +147,15 @@ class Speculation:
     def _plan_adaptive(self, requests: list[Request]) -> None:
         candidates = []
         for request in requests:
-            room = max(0, min(self.k, request.max_output_tokens - request.num_output_tokens - 1))
+            # The proposer's drafts come after the free ones, within the request's cap.
+            free = self._free(request)
+            left = request.max_output_tokens - request.num_output_tokens - 1 - free
+            room = max(0, min(self.k, left, self._cap(request) - free))
             lag = request.num_tokens - request.num_draft_computed
             own = self.acceptance(request)
-            candidates.append(self.adaptive.candidate(own, room, min(lag, room + 1)))
+            # The draft model catches up on the free drafts too.
+            catch_up = min(lag, room + 1) + free
+            candidates.append(self.adaptive.candidate(own, room, catch_up, free))
         for request, k in zip(requests, self.adaptive.plan(candidates), strict=True):
             self.wanted[request] = k
             if k == 0:  # not drafting teaches nothing: drift back towards the engine's rate

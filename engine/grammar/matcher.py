@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
-from engine.config import MAX_SPECULATIVE_TOKENS
+from engine.config import MAX_PREDICTED_DRAFTS
 from engine.device import to_device
 from engine.errors import RequestError
 from engine.grammar.compiler import GrammarCompiler, tokenizer_info
@@ -31,8 +31,9 @@ if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.request import Request
 
-# Rows of one verification span: every draft plus the bonus position.
-MAX_ROLLBACK_TOKENS = MAX_SPECULATIVE_TOKENS + 1
+# Tokens a matcher walks past its committed state and then rolls back: at most a verification
+# span, every draft (a prediction's are the most a step gives a request) plus the bonus position.
+MAX_ROLLBACK_TOKENS = MAX_PREDICTED_DRAFTS + 1
 
 
 class GrammarError(RuntimeError):
@@ -152,9 +153,10 @@ class GrammarManager:
 
     @classmethod
     def build(
-        cls, tokenizer, vocab_size: int, eos_token_ids: set[int], max_rows: int, cfg: EngineConfig
+        cls, tokenizer, vocab_size: int, eos_token_ids: set[int], cfg: EngineConfig
     ) -> GrammarManager:
-        """A manager with its own compiler, cached and timed as the engine's config says."""
+        """A manager with its own compiler, cached and timed as the engine's config says, and
+        mask rows for the largest step: 1 + drafts per request, within the step's token budget."""
         compiler = GrammarCompiler(
             tokenizer_info(tokenizer, vocab_size, eos_token_ids),
             cfg.grammar_cache_size,
@@ -164,7 +166,8 @@ class GrammarManager:
             cfg.grammar_max_schema_depth,
             cfg.grammar_max_schema_nodes,
         )
-        return cls(compiler, tokenizer, vocab_size, max_rows)
+        rows = min(cfg.max_num_seqs * (MAX_PREDICTED_DRAFTS + 1), cfg.max_num_batched_tokens)
+        return cls(compiler, tokenizer, vocab_size, rows)
 
     def attach(
         self, request: Request, compiled: xgr.CompiledGrammar | None, kind: str | None = None

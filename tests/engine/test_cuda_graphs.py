@@ -73,6 +73,25 @@ def test_static_buffers_keep_greedy_tokens(tiny_llama, draft_model, spec):
     assert llm.engine.kv.pool.num_free == llm.engine.kv.pool.num_usable
 
 
+def test_prediction_steps_longer_than_the_graphs_run_outside_them(tiny_llama):
+    """Graphs are sized for a proposer's k (none here: 1 query token); a prediction's step of
+    up to 31 drafts does not fit them and takes the ordinary path, the steps after it the static
+    buffers again. The first three requests predict their own answer (all 9 tokens after the
+    prompt's in one step of 8 drafts), the last two none: tokens equal the plain Triton path's,
+    and the 8 steps left to those two come from the static buffers."""
+    want, _ = generate(tiny_llama, False)
+    llm = LLM(str(tiny_llama), num_kv_blocks=64, max_num_seqs=8, attention_backend="triton")
+    llm.engine.runner.use_graphs(8, llm.engine.max_model_len, 1)
+    params = [
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, prediction=p)
+        for p in [*want[:3], None, None]
+    ]
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert [o.outputs[0].token_kinds for o in outs[:3]] == ["p" + "a" * 8 + "b"] * 3
+    assert llm.engine.runner.graphs.num_replays == 8
+
+
 def test_graphs_need_the_triton_backend(tiny_llama):
     llm = LLM(str(tiny_llama), num_kv_blocks=16, attention_backend="torch")
     with pytest.raises(ValueError, match="Triton attention backend"):

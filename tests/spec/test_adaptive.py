@@ -141,6 +141,17 @@ def test_free_drafts_at_batch_one_take_the_cap_and_large_batches_switch_off():
     assert min(spec.plan([Candidate(0.98, 5)] * 64)) >= 1
 
 
+def test_free_drafts_are_priced_as_part_of_the_step():
+    """A prediction's 31 drafts ride ahead of the proposer's: the step already yields ~32 tokens
+    for 32 rows, so a draft accepted half the time, which pays beside a lone decode row (1.5
+    tokens in 0.12 s against 1 in 0.11 s), no longer does (32.5 in 0.43 s against 32 in 0.42 s);
+    a near-certain one still does."""
+    spec = planner(fixed=0.1, per_row=0.01)
+    assert spec.plan([Candidate(0.5, 4)]) == [2]
+    assert spec.plan([Candidate(0.5, 4, num_free=31)]) == [0]
+    assert spec.plan([Candidate(0.98, 4, num_free=31)]) == [4]
+
+
 def test_low_acceptance_requests_drop_out_first():
     spec = planner(fixed=0.2, per_row=0.01)
     ks = spec.plan([Candidate(0.9, 4), Candidate(0.05, 4), Candidate(0.7, 4)] + [Candidate(0.4, 4)])

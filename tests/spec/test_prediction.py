@@ -1,6 +1,7 @@
 """Predicted Outputs (spec.prediction): the cursor that keeps a prediction in step with the output,
 and the engine's outputs with a prediction equal to its outputs without one, token for token,
-greedy and seeded, beside grammar, LoRA, n-gram and per-request k; the usage counters exact.
+greedy and seeded, beside grammar, LoRA, n-gram and per-request k; the usage counters exact; steps
+of up to 31 prediction drafts (more than a proposer's 15), rolled back exactly under a grammar.
 
 The reference is the same engine without any speculation (itself held to HF transformers by
 test_parity); a verifier that accepts every draft must fail the same comparison.
@@ -15,7 +16,9 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams, model_runner
+from engine.entrypoints.llm import chat_prompt_ids
 from engine.errors import ParamError
+from engine.grammar import matcher as grammar_matcher
 from engine.rejection import VerifyResult, VerifyRow
 from kernels import reference as kernels_reference
 from lora.adapter import LoRARequest
@@ -166,13 +169,14 @@ def test_greedy_outputs_equal_and_counts_exact(plain):
     assert tokens(outs) == want
     spec = [o.metrics.spec for o in outs]
     # The output as its prediction: 1 token from the prompt's step, then the other 59 in steps
-    # of 15 drafts + 1 (nothing drafted past max_tokens): 4 steps, 55 drafts, all accepted.
-    assert (spec[0].num_predicted, spec[0].num_predicted_accepted, spec[0].num_steps) == (55, 55, 4)
-    assert all("r" not in c for c in outs[0].outputs[0].token_kinds)
+    # of 31 drafts + 1 (nothing drafted past max_tokens): 2 steps, 57 drafts, all accepted.
+    assert (spec[0].num_predicted, spec[0].num_predicted_accepted, spec[0].num_steps) == (57, 57, 2)
+    assert outs[0].outputs[0].token_kinds == "p" + "a" * 31 + "b" + "a" * 26 + "b"
+    assert spec[0].drafted_at == [2] * 26 + [1] * 5 and spec[0].accepted_at == spec[0].drafted_at
     # Edits (drafted, accepted): the rejections where the edit is, the rest of the copy
     # accepted; another prompt's output and unrelated text: mostly rejected, the output equal.
     counts = [(s.num_predicted, s.num_predicted_accepted) for s in spec[:6]]
-    assert counts == [(55, 55), (66, 52), (55, 54), (55, 40), (30, 0), (8, 0)], counts
+    assert counts == [(57, 57), (68, 54), (72, 55), (72, 41), (30, 0), (8, 0)], counts
     assert llm.engine.speculation.stats.num_predicted == sum(s.num_predicted for s in spec)
 
 
@@ -185,7 +189,7 @@ def test_seeded_sampling_equal(plain, tiny_llama):
     want = tokens(generate(llm, sampled))
     outs = generate(llm, with_predictions(sampled, want))
     assert tokens(outs) == want
-    assert outs[0].metrics.spec.num_predicted_accepted == 55  # its own output: all accepted
+    assert outs[0].metrics.spec.num_predicted_accepted == 57  # its own output: all accepted
 
 
 def accept_every_draft(**kw) -> tuple[torch.Tensor, torch.Tensor]:
@@ -249,7 +253,8 @@ def test_with_grammar(tiny_llama, forced):
     want = tokens(outs)
     texts = [o.outputs[0].text for o in outs]
     edited = [t[:8] + "zz" + t[9:] for t in texts]
-    for preds in (want, texts, edited):
+    late = [t[:20] + "zz" + t[21:] for t in texts]  # out of step after more than 15 drafts
+    for preds in (want, texts, edited, late):
         params_p = [
             SamplingParams(**{**vars(p), "prediction": pred})
             for p, pred in zip(params, preds, strict=True)
@@ -288,3 +293,68 @@ def test_bad_prediction_is_refused_before_anything_runs(plain):
         llm.generate(prompts()[:1], greedy(prediction=[1, 10**6]), use_tqdm=False)
     assert info.value.param == "prediction"
     assert not llm.engine.has_unfinished_requests()
+
+
+# ---- a thinking budget over a constraint: the budget's matcher keeps its own rollback states ---
+OPEN = 259  # `<think>` (tests/models.py make_thinking_qwen3)
+THINKING = {
+    "thinking_token_budget": 30,
+    "structured_outputs": {"regex": "[a-z]{30,40}</think>[a-z]{20,40}"},
+}
+
+
+@pytest.fixture(scope="module")
+def thinking(thinking_qwen3):
+    """A tiny Qwen3 with think tags, a prompt that opens the thinking, and its answer without a
+    prediction under a budget of 30 over a regex."""
+    llm = LLM(str(thinking_qwen3), num_kv_blocks=128, num_threads=1)
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    ids = chat_prompt_ids(llm.engine.tokenizer, messages, template_kwargs={"enable_thinking": True})
+    ids.append(OPEN)
+    params = SamplingParams(temperature=0, max_tokens=64, **THINKING)
+    (out,) = llm.generate([ids], params, use_tqdm=False)
+    return llm, ids, out.outputs[0]
+
+
+def predicted(thinking, prediction: list[int]):
+    llm, ids, _ = thinking
+    params = SamplingParams(temperature=0, max_tokens=64, prediction=prediction, **THINKING)
+    (out,) = llm.generate([ids], params, use_tqdm=False)
+    snap = llm.engine.snapshot()
+    assert snap["num_free_blocks"] == snap["num_blocks"], "blocks leaked"
+    return out.outputs[0]
+
+
+def edited_at(tokens: list[int], at: int) -> list[int]:
+    """tokens with the one at `at` replaced by another the regex allows there (a letter)."""
+    return tokens[:at] + [next(t for t in tokens if t != tokens[at])] + tokens[at + 1 :]
+
+
+def test_prediction_drafts_past_15_under_a_budget_and_a_constraint_equal(thinking):
+    """Up to 31 drafts a step are walked by the draft check and the mask and rolled back,
+    through the budget's matcher and xgrammar's under it: the output is the one without a
+    prediction, for the answer itself (31 accepted in one step) and for one out of step at
+    token 20 (the mismatch after 19 accepted drafts, then realigned)."""
+    _, _, want = thinking
+    close = want.token_ids.index(260)  # `</think>`, forced at the budget
+    assert close == 30 and len(want.token_ids) == 56 and want.finish_reason == "stop"
+    same = predicted(thinking, want.token_ids)
+    assert same.token_ids == want.token_ids
+    # 31 drafts (`</think>` among them), then the last 23 (the end of turn the last: no bonus).
+    assert same.token_kinds == "p" + "a" * 31 + "b" + "a" * 23
+    late = predicted(thinking, edited_at(want.token_ids, 20))
+    assert late.token_ids == want.token_ids
+    # 19 accepted, the edit rejected; realigned 2 tokens off in "ilil" (2 drafts, accepted),
+    # out of step again at once, then realigned for good: 16 and the last 14.
+    assert late.token_kinds == "p" + "a" * 19 + "r" + "aab" + "r" + "a" * 16 + "b" + "a" * 14
+
+
+def test_matchers_that_roll_back_16_tokens_fail_it(thinking, monkeypatch):
+    """The broken variant: matchers sized for a proposer's 15 drafts (16 tokens of rollback).
+    The budget's matcher keeps 17 states: checking 31 drafts and rolling back pops past them,
+    and the request fails at its first step with drafts, after the prompt's token."""
+    monkeypatch.setattr(grammar_matcher, "MAX_ROLLBACK_TOKENS", 16)
+    _, _, want = thinking
+    for prediction in (want.token_ids, edited_at(want.token_ids, 20)):
+        got = predicted(thinking, prediction)
+        assert (got.finish_reason, got.token_ids) == ("error", want.token_ids[:1])

@@ -64,12 +64,12 @@ def test_chat_answers_equal_and_usage_counts(server):
     text = plain.choices[0].message.content
     assert plain.usage.completion_tokens_details is None  # no prediction: no counts
     # The answer itself as the prediction: every draft accepted. The first token comes from
-    # the prompt's step; the other m - 1 in steps of up to 15 drafts + 1.
+    # the prompt's step; the other m - 1 in steps of up to 31 drafts + 1.
     same = chat(c, prediction={"type": "content", "content": text})
     assert same.choices[0].message.content == text
     m = same.usage.completion_tokens
     assert m == plain.usage.completion_tokens > 20
-    steps = -(-(m - 1) // 16)
+    steps = -(-(m - 1) // 32)
     assert details(same) == (m - 1 - steps, 0)
     # As a list of text parts, split anywhere: the same.
     parts = [{"type": "text", "text": text[:7]}, {"type": "text", "text": text[7:]}]
