@@ -21,8 +21,9 @@ A plan starts from no drafts (1 token per decode, the target's time for the deco
 draft positions level by level: at level j the candidates are the requests that took j - 1 drafts,
 best `a` first, and the engine takes the number of them that maximises tokens / seconds, paying b
 per verified row and, with a draft model, the pass's fixed cost once plus its per-row cost (at
-level 1: the tokens the draft must catch up on). When no candidate raises the goodput the plan
-stops: with a large batch, or low acceptance, that is at k = 0, and speculation is off.
+level 1: the tokens the draft must catch up on). Levels go on while candidates are left (a level
+that costs more than it returns may open deeper ones that repay it) and the plan is the best one
+met: with a large batch, or low acceptance, that is k = 0, and speculation is off.
 Prefill rows are left out of the comparison: they cost the same with or without drafts.
 
 A draft far behind its request (a long prompt it never saw, or steps it sat out) computes the
@@ -206,30 +207,35 @@ class AdaptiveSpeculation:
         return ks
 
     def _goodput_plan(self, candidates: list[Candidate]) -> list[int]:
+        """Level by level, the best number of the level's pool to extend. A level may cost more
+        than it returns and still open deeper ones that repay it (a far-behind draft's catch-up
+        is all paid at level 1), so the levels go on while candidates are left, and the plan is
+        the best one met on the way."""
         ks = [0] * len(candidates)
         tokens = float(len(candidates))
         seconds = self.target(len(candidates))
+        best_ks, best = list(ks), (tokens, seconds)
         for level in range(1, max(c.cap for c in candidates) + 1):
             pool = [i for i, c in enumerate(candidates) if ks[i] == level - 1 and c.cap >= level]
             pool.sort(key=lambda i: -candidates[i].gain(level))
             gain, cost = 0.0, self.draft.fixed if self.draft is not None else 0.0
-            best, best_gain, best_cost = 0, 0.0, 0.0
+            take = None  # (n, tokens, seconds) of the best step among n = 1 .. len(pool)
             for n, i in enumerate(pool, start=1):
                 c = candidates[i]
                 gain += c.gain(level)
                 cost += self.target.per_row
                 if self.draft is not None:
                     cost += self.draft.per_row * (c.catch_up_rows if level == 1 else 1)
-                if (tokens + gain) * (seconds + best_cost) > (tokens + best_gain) * (
-                    seconds + cost
-                ):
-                    best, best_gain, best_cost = n, gain, cost
-            if best == 0:
+                if take is None or _faster((tokens + gain, seconds + cost), take[1:]):
+                    take = (n, tokens + gain, seconds + cost)
+            if take is None:
                 break
-            for i in pool[:best]:
+            for i in pool[: take[0]]:
                 ks[i] = level
-            tokens, seconds = tokens + best_gain, seconds + best_cost
-        return ks
+            tokens, seconds = take[1:]
+            if _faster((tokens, seconds), best):
+                best_ks, best = list(ks), (tokens, seconds)
+        return best_ks
 
     def _fade_engine_history(self) -> None:
         """A step in which nobody drafts teaches nothing. Without this, a few early rejections
@@ -258,6 +264,11 @@ def _drop_drafts_the_batch_waits_for(
                 ks[i], dropped = 0, True
         if not dropped:
             return ks
+
+
+def _faster(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    """Whether (tokens, seconds) a emits more tokens per second than b."""
+    return a[0] * b[1] > b[0] * a[1]
 
 
 def _logit(p: float) -> float:

@@ -185,7 +185,9 @@ def test_a_far_behind_draft_catches_up_only_where_the_steps_left_repay_it():
     (20 ms + 2.8 ms a row: 5.8 s to catch up on a 2048-token prompt it never saw); drafts land
     ~88% of the time. With 63 tokens left the catch-up cannot be repaid (plain decoding takes
     4.5 s in all): no drafts. With 2000 left, or a draft already caught up, it drafts. Priced
-    at cap + 1 rows whatever the lag, the first case drafts (the suite's 0.52x at 2048)."""
+    at cap + 1 rows whatever the lag, the first case drafts (the suite's 0.52x at 2048). A
+    512-token gap with 63 left is repaid at k = 4 though not at k = 1 (the catch-up is paid
+    with the first draft): the plan looks past a first level that loses."""
     spec = planner(fixed=0.07, per_row=0.002, draft=(0.02, 0.0028))
     own = Acceptance(accepted=90.0, trials=100.0)
 
@@ -195,6 +197,7 @@ def test_a_far_behind_draft_catches_up_only_where_the_steps_left_repay_it():
     assert ks(2049, 63) == [0]
     assert ks(2049, 2000) == [4]
     assert ks(4, 63) == [4]
+    assert ks(513, 63) == [4]
 
 
 def test_a_closed_batch_drops_drafts_its_slowest_request_outlasts():
