@@ -2,11 +2,13 @@
 server at a time (issue 40).
 
     python -m bench.serving [--threads 2] [--concurrency 1,4,16] [--requests-scale 1]
-        [--servers tandem,tandem-fp32,tandem-bf16,llama-server,vllm-fp32,vllm-bf16] [--repeats 1]
-        [--llama-cpp DIR] [--vllm-venv DIR] [--flags 'SERVER=FLAGS' ...] [--seed 0]
+        [--servers tandem,tandem-ngram,tandem-fp32,tandem-bf16,llama-server,vllm-fp32,vllm-bf16]
+        [--repeats 1] [--llama-cpp DIR] [--vllm-venv DIR] [--flags 'SERVER=FLAGS' ...] [--seed 0]
 
 Servers, SmolLM2-135M-Instruct everywhere, prefix caching off on each:
 - `tandem`: `tandem serve` at its defaults (the GGUF's own 4-bit blocks);
+- `tandem-ngram`: the same with n-gram speculation, adaptive k (`--speculative-method ngram`),
+  judged against `tandem`: speculation must not cost under load;
 - `tandem-fp32`: `tandem serve --quantization none` (the dense float32 weights);
 - `tandem-bf16`: `tandem serve --quantization none --dtype bfloat16` (dense bfloat16, against
   vLLM's bfloat16);
@@ -57,6 +59,7 @@ NEW_TOKENS = 64
 # the peer each of ours is judged against (issue 40's targets)
 PAIRS = [
     ("tandem", "llama-server"),
+    ("tandem-ngram", "tandem"),  # speculation on against plain (issue 40 point 4)
     ("tandem-fp32", "vllm-fp32"),
     ("tandem", "vllm-bf16"),
     ("tandem-bf16", "vllm-bf16"),

@@ -13,6 +13,7 @@ from pathlib import Path
 MODEL = "smollm2-135m-instruct"
 SERVERS = {
     "tandem": "tandem serve, the GGUF's own blocks (the default)",
+    "tandem-ngram": "tandem serve --speculative-method ngram (prompt lookup, adaptive k)",
     "tandem-fp32": "tandem serve --quantization none (dense float32)",
     "tandem-bf16": "tandem serve --quantization none --dtype bfloat16 (dense bfloat16)",
     "llama-server": "llama.cpp's server on the same GGUF file",
@@ -119,6 +120,8 @@ def find_servers(
         flags = extra.get(name, [])
         if name.startswith("tandem"):
             dense = {"tandem-fp32": "float32", "tandem-bf16": "bfloat16"}.get(name)
+            if name == "tandem-ngram":
+                flags = ["--speculative-method", "ngram", *flags]
             specs.append(ServerSpec(name, tandem(threads, dense, flags), env))
         elif name == "llama-server" and bin_dir is None:
             notes.append("llama-server: not found (--llama-cpp DIR, $TANDEM_LLAMA_CPP or "

@@ -267,7 +267,7 @@ class LLMEngine:
         pipeline, spec = self.pipeline, self.speculation
         if pipeline.must_land:
             touched += self._collect(pipeline.take())
-        wanted = spec.plan(self.scheduler.running) if spec.active else None
+        wanted = spec.plan(self.scheduler.running, self.scheduler.waiting) if spec.active else None
         sched = self.scheduler.schedule(wanted)
         if sched.requests:
             launched = self._launch(sched)

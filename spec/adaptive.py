@@ -12,8 +12,10 @@ Two things are estimated online, nothing is assumed about the machine:
   shifted in log-odds by how the request compares with the engine; draft j then adds
   P(drafts 1..j all land) expected tokens (a^j if acceptance were the same at every depth);
 - step times as a + b * rows by exponentially weighted least squares: the target's forward (plus
-  sampling and verification) over every token it computes, and, with a draft model, each draft
-  pass over its rows.
+  sampling and verification) over the rows of decode steps, and, with a draft model, each draft
+  pass over its rows. A step that carries a prompt chunk is not fitted: a chunk's rows cost
+  what a prefill's do (a GEMM over hundreds of rows), not what a verified row adds to a decode
+  step, and a few 1024-row chunks would otherwise set the line's slope.
 
 A plan starts from no proposed drafts: per decode 1 token plus the drafts that ride ahead of the
 proposer's (forced tokens and a prediction's, counted as accepted; a prediction gives a request up
@@ -22,11 +24,22 @@ for all those rows. It adds
 draft positions level by level: at level j the candidates are the requests that took j - 1 drafts,
 best `a` first, and the engine takes the number of them that maximises tokens / seconds, paying b
 per verified row and, with a draft model, the pass's fixed cost once plus its per-row cost (at
-level 1: the tokens the draft must catch up on). When no candidate raises the goodput the plan
-stops: with a large batch, or low acceptance, that is at k = 0, and speculation is off.
+level 1: the tokens the draft must catch up on). Levels go on while candidates are left (a level
+that costs more than it returns may open deeper ones that repay it) and the plan is the best one
+met: with a large batch, or low acceptance, that is k = 0, and speculation is off.
 Prefill rows are left out of the comparison: they cost the same with or without drafts.
 
-Until both cost fits have seen rows of at least two different sizes, every request takes its cap.
+A draft far behind its request (a long prompt it never saw, or steps it sat out) computes the
+gap once and then drafts for the rest of the request: the gap's rows are spread over the steps
+the request has left at the tokens per step it would draft at, so a 2048-token prompt with 64
+tokens to go keeps the draft off, and with 2048 to go turns it on.
+
+A closed batch (an offline `generate`: every request there from the start, none waiting) ends
+when its last request does. Drafts for a request that finishes, even at one token a step, before
+another request surely does only add rows to steps the batch takes anyway, so they are dropped.
+
+Until the cost fits have seen rows of at least two sizes, requests take their cap on every other
+step and no drafts on the others (two row counts, so the fits become ready).
 """
 
 from __future__ import annotations
@@ -39,10 +52,13 @@ from engine.step_budget import LinearCost
 
 @dataclass
 class Acceptance:
-    """Decayed counts of one request's (or the engine's) verification outcomes."""
+    """Decayed counts of one request's (or the engine's) verification outcomes, and of how often
+    the proposer had drafts for it when asked."""
 
     accepted: float = 0.0
     trials: float = 0.0  # positions verified: accepted drafts plus the rejection that ended a step
+    offered: float = 0.0  # steps the proposer had drafts for it, of
+    asked: float = 0.0  # steps it was given draft slots
 
     def observe(self, num_drafts: int, num_accepted: int, decay: float) -> None:
         if num_drafts == 0:
@@ -58,6 +74,16 @@ class Acceptance:
     def rate(self, prior: float, prior_weight: float) -> float:
         return (self.accepted + prior * prior_weight) / (self.trials + prior_weight)
 
+    def ask(self, has_drafts: bool, decay: float) -> None:
+        self.offered = self.offered * decay + has_drafts
+        self.asked = self.asked * decay + 1.0
+
+    @property
+    def offer_rate(self) -> float:
+        """Share of steps the proposer had drafts for it (a prompt-lookup miss has none);
+        optimistic (1) until it has been asked."""
+        return (self.offered + 1.0) / (self.asked + 1.0)
+
 
 @dataclass
 class Candidate:
@@ -65,13 +91,19 @@ class Candidate:
 
     acceptance: float  # a: P(draft j accepted | drafts before it accepted)
     cap: int  # most drafts it may take this step
-    catch_up_rows: int = 1  # rows the draft model runs before its first proposal
+    catch_up_rows: float = 1.0  # draft rows before its first proposal (a long gap: spread)
     reach: list[float] | None = None  # [j - 1]: P(drafts 1..j all accepted); default a^j
     num_free: int = 0  # drafts ahead of the proposer's (forced, a prediction's): verified anyway
+    remaining: int | None = None  # most tokens it may still emit (None: unknown)
+    must_run: int = 0  # tokens it emits for sure (EOS ignored, no stop condition)
+    offered: float = 1.0  # share of its steps the proposer has drafts for
 
     def gain(self, level: int) -> float:
         """Expected tokens that draft `level` adds."""
         return self.reach[level - 1] if self.reach is not None else self.acceptance**level
+
+    def tokens_per_step(self, k: int) -> float:
+        return 1.0 + self.offered * sum(self.gain(j) for j in range(1, k + 1))
 
 
 class AdaptiveSpeculation:
@@ -81,14 +113,21 @@ class AdaptiveSpeculation:
     MAX_ACCEPTANCE = 0.98
 
     def __init__(self, uses_draft_model: bool):
-        self.target = LinearCost()
+        self.target = LinearCost()  # decode steps only (see observe_target)
         self.draft = LinearCost() if uses_draft_model else None
         self.engine_acceptance = Acceptance()
         self.by_position: list[Acceptance] = []  # [j]: engine-wide, draft j+1 given j landed
+        self._explore = False  # unready: whether this plan takes the caps (else no drafts)
 
     @property
     def ready(self) -> bool:
         return self.target.fitted and (self.draft is None or self.draft.fitted)
+
+    def observe_target(self, num_rows: int, has_prompt_chunk: bool, seconds: float) -> None:
+        """A step's target time (forward, sampling, verification) over its num_rows rows; a
+        step with a prompt chunk is left out (the module docstring says why)."""
+        if not has_prompt_chunk:
+            self.target.observe(num_rows, seconds)
 
     def observe_verification(self, own: Acceptance, num_drafts: int, num_accepted: int) -> None:
         own.observe(num_drafts, num_accepted, self.DECAY)
@@ -112,10 +151,27 @@ class AdaptiveSpeculation:
         return self.engine_acceptance.rate(0.5, 1.0)
 
     def candidate(
-        self, own: Acceptance, cap: int, catch_up_rows: int, num_free: int = 0
+        self,
+        own: Acceptance,
+        cap: int,
+        lag: int,
+        remaining: int,
+        must_run: int = 0,
+        num_free: int = 0,
     ) -> Candidate:
+        """The request as the planner sees it. lag: tokens its draft model has not computed;
+        remaining: most tokens it may still emit; must_run: those it surely emits; num_free:
+        drafts riding ahead of the proposer's (forced, a prediction's), which the draft model
+        computes too."""
         mine = self.acceptance(own)
-        return Candidate(mine, cap, catch_up_rows, self._reach(mine, cap), num_free)
+        reach = self._reach(mine, cap)
+        usual = min(lag, cap + 1)  # after a step that drafted: its accepted drafts and bonus
+        per_step = 1.0 + num_free + sum(reach)  # tokens a step at the cap emits, expected
+        spread = (lag - usual) * per_step / max(remaining, 1)  # the gap, once over its steps
+        return Candidate(
+            mine, cap, usual + spread + num_free, reach,
+            num_free=num_free, remaining=remaining, must_run=must_run, offered=own.offer_rate,
+        )  # fmt: skip
 
     def _reach(self, mine: float, cap: int) -> list[float]:
         """P(drafts 1..j all land) for j = 1..cap. Acceptance is not the same at every depth
@@ -150,36 +206,51 @@ class AdaptiveSpeculation:
             "engine_acceptance": self.engine_rate,
         }
 
-    def plan(self, candidates: list[Candidate]) -> list[int]:
-        """k per candidate (see the module docstring)."""
-        if not candidates or not self.ready:
-            return [c.cap for c in candidates]
+    def plan(self, candidates: list[Candidate], closed_steps: int | None = None) -> list[int]:
+        """k per candidate (see the module docstring). closed_steps: the batch is closed, and
+        its other requests (prefilling, or with their own k) surely take that many steps."""
+        if not candidates:
+            return []
+        if not self.ready:
+            self._explore = not self._explore
+            return [c.cap if self._explore else 0 for c in candidates]
+        ks = self._goodput_plan(candidates)
+        if closed_steps is not None:
+            ks = _drop_drafts_the_batch_waits_for(candidates, ks, closed_steps)
+        if not any(ks):
+            self._fade_engine_history()
+        return ks
+
+    def _goodput_plan(self, candidates: list[Candidate]) -> list[int]:
+        """Level by level, the best number of the level's pool to extend. A level may cost more
+        than it returns and still open deeper ones that repay it (a far-behind draft's catch-up
+        is all paid at level 1), so the levels go on while candidates are left, and the plan is
+        the best one met on the way."""
         ks = [0] * len(candidates)
         rows = sum(1 + c.num_free for c in candidates)  # decode rows and free drafts' rows
         tokens, seconds = float(rows), self.target(rows)
+        best_ks, best = list(ks), (tokens, seconds)
         for level in range(1, max(c.cap for c in candidates) + 1):
             pool = [i for i, c in enumerate(candidates) if ks[i] == level - 1 and c.cap >= level]
             pool.sort(key=lambda i: -candidates[i].gain(level))
             gain, cost = 0.0, self.draft.fixed if self.draft is not None else 0.0
-            best, best_gain, best_cost = 0, 0.0, 0.0
+            take = None  # (n, tokens, seconds) of the best step among n = 1 .. len(pool)
             for n, i in enumerate(pool, start=1):
                 c = candidates[i]
                 gain += c.gain(level)
                 cost += self.target.per_row
                 if self.draft is not None:
                     cost += self.draft.per_row * (c.catch_up_rows if level == 1 else 1)
-                if (tokens + gain) * (seconds + best_cost) > (tokens + best_gain) * (
-                    seconds + cost
-                ):
-                    best, best_gain, best_cost = n, gain, cost
-            if best == 0:
+                if take is None or _faster((tokens + gain, seconds + cost), take[1:]):
+                    take = (n, tokens + gain, seconds + cost)
+            if take is None:
                 break
-            for i in pool[:best]:
+            for i in pool[: take[0]]:
                 ks[i] = level
-            tokens, seconds = tokens + best_gain, seconds + best_cost
-        if not any(ks):
-            self._fade_engine_history()
-        return ks
+            tokens, seconds = take[1:]
+            if _faster((tokens, seconds), best):
+                best_ks, best = list(ks), (tokens, seconds)
+        return best_ks
 
     def _fade_engine_history(self) -> None:
         """A step in which nobody drafts teaches nothing. Without this, a few early rejections
@@ -188,6 +259,31 @@ class AdaptiveSpeculation:
         steps), and kept only if it pays."""
         for counts in (self.engine_acceptance, *self.by_position):
             counts.fade(self.DECAY)
+
+
+def _drop_drafts_the_batch_waits_for(
+    candidates: list[Candidate], ks: list[int], floor_steps: int
+) -> list[int]:
+    """A closed batch's steps are set by its slowest request: drafts for a request that surely
+    finishes (at its `remaining` tokens, one a step) within the steps another surely takes (its
+    `must_run` tokens at its expected tokens per step, or floor_steps for the requests outside
+    the plan) shorten nothing. Dropping drafts only lengthens the others' expected steps, so
+    this repeats until no more drop."""
+    ks = list(ks)
+    while True:
+        steps = [c.must_run / c.tokens_per_step(k) for c, k in zip(candidates, ks, strict=True)]
+        dropped = False
+        for i, c in enumerate(candidates):
+            others = max([floor_steps, *steps[:i], *steps[i + 1 :]])
+            if ks[i] and c.remaining is not None and c.remaining <= others:
+                ks[i], dropped = 0, True
+        if not dropped:
+            return ks
+
+
+def _faster(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    """Whether (tokens, seconds) a emits more tokens per second than b."""
+    return a[0] * b[1] > b[0] * a[1]
 
 
 def _logit(p: float) -> float:

@@ -10,6 +10,7 @@ plus verification); the adaptive planner's per-request acceptance history is kep
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from weakref import WeakKeyDictionary
 
 from engine.config import MAX_PREDICTED_DRAFTS, MAX_SPECULATIVE_TOKENS, EngineConfig
@@ -39,6 +40,10 @@ class Speculation:
         self._acceptance: WeakKeyDictionary[Request, Acceptance] = WeakKeyDictionary()
         self._by_request: WeakKeyDictionary[Request, SpecStats] = WeakKeyDictionary()
         self.wanted: dict[Request, int] = {}  # the last plan's draft slots per request
+        # The requests (id, index) of the last plan, and whether one joined since the engine
+        # last started afresh (_batch_closed).
+        self._present: set[tuple[str, int]] = set()
+        self._joined = False
         self._forced: dict[Request, list[int]] = {}  # the last plan's forced tokens
         # Predicted Outputs (spec.prediction): each request's, and the last plan's drafts from it.
         self.predictions: WeakKeyDictionary[Request, Prediction] = WeakKeyDictionary()
@@ -94,11 +99,13 @@ class Speculation:
         return own
 
     # ---- before scheduling -------------------------------------------------------------
-    def plan(self, running: list[Request]) -> dict[Request, int]:
+    def plan(self, running: list[Request], waiting: Collection[Request] = ()) -> dict[Request, int]:
         """Draft slots each running request asks for in the coming step (`wanted`, what the
         scheduler reads): its forced tokens and its prediction's drafts, then its own k if it set
-        one, else the engine's (a fixed k, or the adaptive plan capped by it); in all at most
+        one, else the engine's (a fixed k, or the adaptive plan capped by it; in a closed batch,
+        knowing how long the requests outside the plan surely run); in all at most
         MAX_PREDICTED_DRAFTS with a prediction's drafts, else MAX_SPECULATIVE_TOKENS."""
+        closed = self._batch_closed(running, waiting)
         self.wanted, self._forced, self._predicted = {}, {}, {}
         adaptive = []
         for request in running:
@@ -120,7 +127,10 @@ class Speculation:
             if k is None and self.adaptive is not None and request.is_decoding:
                 adaptive.append(request)
         if adaptive:
-            self._plan_adaptive(adaptive)
+            planned = set(adaptive)
+            others = [r for r in running if r not in planned]
+            floor = max(map(must_run, others), default=0) if closed else None
+            self._plan_adaptive(adaptive, floor)
         for request in self._forced.keys() | self._predicted.keys():
             free, cap = self._free(request), self._cap(request)
             self.wanted[request] = min(free + self.wanted[request], cap)
@@ -144,19 +154,33 @@ class Speculation:
         if drafts:
             self._predicted[request] = drafts
 
-    def _plan_adaptive(self, requests: list[Request]) -> None:
+    def _batch_closed(self, running: list[Request], waiting: Collection[Request]) -> bool:
+        """Whether only the batch's wall time counts: nothing waits, and every request was there
+        when the engine last started afresh (no request of the last plan still present), as in
+        an offline generate(). A request joining while others run (a server's) opens the batch
+        until the engine starts afresh again: then each request's own finish counts."""
+        present = {(r.request_id, r.index) for r in (*running, *waiting)}
+        if not present & self._present:
+            self._joined = False
+        elif present - self._present:
+            self._joined = True
+        self._present = present
+        return not (self._joined or waiting)
+
+    def _plan_adaptive(self, requests: list[Request], closed_steps: int | None) -> None:
         candidates = []
         for request in requests:
             # The proposer's drafts come after the free ones, within the request's cap.
             free = self._free(request)
-            left = request.max_output_tokens - request.num_output_tokens - 1 - free
-            room = max(0, min(self.k, left, self._cap(request) - free))
+            left = request.max_output_tokens - request.num_output_tokens
+            room = max(0, min(self.k, left - 1 - free, self._cap(request) - free))
             lag = request.num_tokens - request.num_draft_computed
             own = self.acceptance(request)
-            # The draft model catches up on the free drafts too.
-            catch_up = min(lag, room + 1) + free
-            candidates.append(self.adaptive.candidate(own, room, catch_up, free))
-        for request, k in zip(requests, self.adaptive.plan(candidates), strict=True):
+            candidates.append(
+                self.adaptive.candidate(own, room, lag, left, must_run(request), free)
+            )
+        ks = self.adaptive.plan(candidates, closed_steps)
+        for request, k in zip(requests, ks, strict=True):
             self.wanted[request] = k
             if k == 0:  # not drafting teaches nothing: drift back towards the engine's rate
                 self.adaptive.idle(self.acceptance(request))
@@ -172,6 +196,7 @@ class Speculation:
                 sched.drafts[request] = free[:k]
         if self.proposer is not None:
             self.proposer.propose(sched, tables)
+            self._count_offers(sched)
         for i, request in enumerate(sched.requests):
             drafts = sched.drafts.get(request)
             if drafts is None:
@@ -190,6 +215,17 @@ class Speculation:
             sched.num_new_tokens[i] -= sched.num_drafts[i] - len(drafts)
             sched.num_drafts[i] = len(drafts)
 
+    def _count_offers(self, sched: SchedulerOutput) -> None:
+        """Whether the proposer had drafts for each request the adaptive plan gave slots (a
+        prompt lookup often has none: such a request emits one token a step all the same)."""
+        if self.adaptive is None:
+            return
+        for request, _, k in sched.scheduled():
+            free = len(self._forced.get(request, ())) + len(self._predicted.get(request, ()))
+            if k > free and request.params.num_speculative_tokens is None:
+                has_drafts = len(sched.drafts.get(request, ())) > free
+                self.acceptance(request).ask(has_drafts, self.adaptive.DECAY)
+
     def holds_back(self, request: Request, sched: SchedulerOutput) -> bool:
         """Whether the request's next step depends on this step's tokens on the host (its
         drafts or forced tokens are built from them), so steps may not overlap."""
@@ -207,7 +243,11 @@ class Speculation:
         num_tokens, num_drafts = sched.total_tokens, sum(sched.num_drafts)
         pass_times = self.draft_model.pass_times if self.draft_model is not None else []
         if self.adaptive is not None:
-            self.adaptive.target.observe(num_tokens, t2 - t1)
+            # The step's time but the draft passes (their own fit): the target's forward and
+            # verification, and the proposer's host work (a prompt lookup's, all of it).
+            target = t2 - t0 - sum(seconds for _, seconds in pass_times)
+            has_chunk = any(n - k > 1 for _, n, k in sched.scheduled())
+            self.adaptive.observe_target(num_tokens, has_chunk, target)
             for rows, seconds in pass_times:
                 self.adaptive.draft.observe(rows, seconds)
         pass_times.clear()
@@ -249,6 +289,15 @@ class Speculation:
             "adaptive": self.adaptive.describe() if self.adaptive is not None else None,
             "by_adapter": {name: s.as_dict() for name, s in self.by_adapter.items()},
         }
+
+
+def must_run(request: Request) -> int:
+    """Tokens the request surely emits yet: all it has left when nothing but its length can
+    end it (EOS ignored, no stop strings or ids, no grammar), else those min_tokens holds."""
+    params, left = request.params, request.max_output_tokens - request.num_output_tokens
+    if request.eos_token_ids or params.stop or params.stop_token_ids or request.grammar:
+        return max(0, min(params.min_tokens - request.num_output_tokens, left))
+    return left
 
 
 def build_speculation(config: EngineConfig, draft_runner: ModelRunner | None) -> Speculation:

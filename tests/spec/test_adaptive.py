@@ -69,7 +69,7 @@ def test_reach_follows_the_acceptance_profile_by_depth():
         while accepted < 6 and rng.random() < (0.6 if accepted == 0 else 0.95):
             accepted += 1
         spec.observe_verification(own, 6, accepted)
-    reach = spec.candidate(own, 6, 1).reach
+    reach = spec.candidate(own, 6, 1, 100).reach
     # Decayed counts are a window of ~50 verifications: estimates move by ~0.07 around the truth.
     for j, p in enumerate(reach, start=1):
         assert p == pytest.approx(0.6 * 0.95 ** (j - 1), abs=0.12)
@@ -80,7 +80,7 @@ def test_reach_follows_the_acceptance_profile_by_depth():
     poor = Acceptance()
     for _ in range(50):
         spec.observe_verification(poor, 6, 0)
-    reach = spec.candidate(poor, 3, 1).reach
+    reach = spec.candidate(poor, 3, 1, 100).reach
     assert reach[0] < 0.2 and reach[2] < reach[0]
 
 
@@ -118,17 +118,24 @@ def test_early_rejections_do_not_switch_speculation_off_for_good():
     spec = planner(fixed=0.6, per_row=0.02, draft=(0.1, 0.004))
     own = Acceptance()
     spec.observe_verification(own, 6, 0)
-    assert spec.plan([spec.candidate(own, 6, 1)]) == [0]
+    assert spec.plan([spec.candidate(own, 6, 1, 100)]) == [0]
     idle_steps = 0
-    while not spec.plan([spec.candidate(own, 6, 1)])[0]:
+    while not spec.plan([spec.candidate(own, 6, 1, 100)])[0]:
         spec.idle(own)
         idle_steps += 1
         assert idle_steps < 60, "speculation never resumed"
 
 
-def test_not_ready_planner_gives_every_request_its_cap():
+def test_not_ready_planner_alternates_caps_and_no_drafts():
+    """Until the fits are ready, steps alternate between every cap and no drafts, so decode
+    steps come in two row counts even where every request always drafts its cap (a self-draft
+    at batch 1) and the target's line, fitted on decode steps only, becomes ready."""
     spec = AdaptiveSpeculation(uses_draft_model=False)
-    assert spec.plan([Candidate(0.9, 4), Candidate(0.1, 2)]) == [4, 2]
+    cands = [Candidate(0.9, 4), Candidate(0.1, 2)]
+    assert [spec.plan(cands) for _ in range(3)] == [[4, 2], [0, 0], [4, 2]]
+    spec.observe_target(7, False, 0.05 + 0.002 * 7)
+    spec.observe_target(2, False, 0.05 + 0.002 * 2)
+    assert spec.ready
 
 
 def test_free_drafts_at_batch_one_take_the_cap_and_large_batches_switch_off():
@@ -165,6 +172,94 @@ def test_expensive_draft_passes_shorten_k():
     c = [Candidate(0.85, 8)]
     assert cheap.plan(c)[0] > dear.plan(c)[0] > 0
     assert same.plan(c) == [0]
+
+
+def test_batch_16_drafts_nothing_where_a_verified_row_costs_a_decode_rows_price():
+    """Issue 40 point 4. A CPU-like target: a decode step costs 40 ms + 3 ms a row, and a step
+    that also carries a prompt chunk adds 0.5 ms per prompt row (one GEMM over its 400 rows).
+    At batch 16 a draft landing half the time returns 0.5 token for 3 ms, less than a plain
+    step's 16 tokens / 88 ms: no drafts. At batch 1 (1 token / 43 ms) the same drafts pay, up
+    to k = 3. Fitted on the chunked steps too, the line's slope falls towards 0.5 ms a row and
+    the planner drafts at batch 16 (serving at c16 lost 14% so; a GPU at batch 32 half)."""
+    spec = AdaptiveSpeculation(uses_draft_model=False)
+    for batch in (16, 12, 16, 14, 16, 15) * 4:
+        for rows in (batch, 2 * batch):  # plain decode steps, and steps verifying 1 draft each
+            spec.observe_target(rows, False, 0.04 + 0.003 * rows)
+        spec.observe_target(batch + 400, True, 0.04 + 0.003 * batch + 0.0005 * 400)
+    assert spec.plan([Candidate(0.5, 4)] * 16) == [0] * 16
+    assert spec.plan([Candidate(0.5, 4)]) == [3]
+    assert (spec.target.fixed, spec.target.per_row) == pytest.approx((0.04, 0.003))
+
+
+def test_a_far_behind_draft_catches_up_only_where_the_steps_left_repay_it():
+    """Issue 42 point 5. An fp32 target (70 ms + 2 ms a row) drafted for by its GGUF self
+    (20 ms + 2.8 ms a row: 5.8 s to catch up on a 2048-token prompt it never saw); drafts land
+    ~88% of the time. With 63 tokens left the catch-up cannot be repaid (plain decoding takes
+    4.5 s in all): no drafts. With 2000 left, or a draft already caught up, it drafts. Priced
+    at cap + 1 rows whatever the lag, the first case drafts (the suite's 0.52x at 2048). A
+    512-token gap with 63 left is repaid at k = 4 though not at k = 1 (the catch-up is paid
+    with the first draft): the plan looks past a first level that loses."""
+    spec = planner(fixed=0.07, per_row=0.002, draft=(0.02, 0.0028))
+    own = Acceptance(accepted=90.0, trials=100.0)
+
+    def ks(lag: int, remaining: int) -> list[int]:
+        return spec.plan([spec.candidate(own, 4, lag, remaining)])
+
+    assert ks(2049, 63) == [0]
+    assert ks(2049, 2000) == [4]
+    assert ks(4, 63) == [4]
+    assert ks(513, 63) == [4]
+
+
+def test_a_closed_batch_drops_drafts_its_slowest_request_outlasts():
+    """Issue 42 point 5, the suite's mixed batch 4: two requests copying their prompt (drafts
+    land 90%) and two open-ended ones (prompt lookup has drafts on 5% of their steps), EOS
+    ignored. Served, every request's own finish counts and the grounded ones draft. In a
+    closed batch (an offline generate) the open-ended ones set the steps left (48 tokens at
+    ~1.02 a step) and the grounded ones finish within them even undrafted (40 left): their
+    drafts would only add rows, so they are dropped. Grounded requests alone keep drafting, and
+    a request outside the plan that surely runs longer (closed_steps) stops a lone one."""
+    spec = planner(fixed=0.05, per_row=0.002)
+    grounded = Candidate(0.9, 4, remaining=40, must_run=40)
+    open_ended = Candidate(0.3, 4, remaining=48, must_run=48, offered=0.05)
+    batch = [grounded, open_ended, grounded, open_ended]
+    served = spec.plan(batch)
+    assert served[0] == served[2] == 4 and served[1] > 0
+    closed = spec.plan(batch, closed_steps=0)
+    assert closed[0] == closed[2] == 0 and closed[1::2] == served[1::2]
+    assert spec.plan([grounded] * 4, closed_steps=0) == [4] * 4
+    assert spec.plan([grounded], closed_steps=40) == [0]
+    assert spec.plan([grounded], closed_steps=39) == [4]
+
+
+def test_a_batch_is_closed_until_a_request_joins_it():
+    """Offline generate() adds every request before the first step: closed until the engine
+    starts afresh. A request joining while others run (a server's stream), or any request
+    waiting for a slot, opens it; must_run counts only requests nothing but length can end."""
+    from engine.request import Request
+    from spec.proposer import NgramProposer
+    from spec.speculation import Speculation, must_run
+
+    def request(name: str, **params) -> Request:
+        params = SamplingParams(max_tokens=8, **params)
+        return Request(name, [1, 2, 3], params, eos_token_ids={0}, max_model_len=64)
+
+    spec = Speculation(NgramProposer(), 4, AdaptiveSpeculation(uses_draft_model=False))
+    a, b, c, d, e = (request(n, ignore_eos=True) for n in "abcde")
+    closed = [
+        spec._batch_closed([a, b], []),
+        spec._batch_closed([a], []),  # b finished
+        spec._batch_closed([a, c], []),  # c joined
+        spec._batch_closed([a], []),
+        spec._batch_closed([d], []),  # afresh
+        spec._batch_closed([d], [e]),  # e waits (and joined)
+        spec._batch_closed([], []),
+        spec._batch_closed([b], [c]),  # afresh, but c waits for a slot
+    ]
+    assert closed == [True, True, False, False, True, False, True, False]
+    assert must_run(a) == 8 and must_run(request("f")) == 0
+    assert must_run(request("g", min_tokens=3)) == 3
+    assert must_run(request("h", ignore_eos=True, stop=["."])) == 0
 
 
 @pytest.mark.parametrize("seed", range(40))
