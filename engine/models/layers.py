@@ -498,7 +498,8 @@ class DecoderLayer(nn.Module):
     projections' formats have a C++ layer (layer_call: the quantized kernel's, or CPU float32
     weights) runs a step without adapters as one C++ call (kernels/cpu/fused_layer.cpp,
     dense_layer.cpp), the same numbers as its pieces composed here; a step with adapters
-    composes those pieces around the adapters' products."""
+    composes those pieces around the adapters' products. Subclasses with norms of their own
+    (Gemma 3) say which through `norms`."""
 
     def __init__(self, cfg: ModelConfig, index: int, parallel: Parallel):
         super().__init__()
@@ -509,11 +510,21 @@ class DecoderLayer(nn.Module):
         self.whole = parallel.world == 1  # a tensor-parallel layer sums between its halves
         self.fused: tuple | None = None  # (the C++ layer op, its weight operands): layer_call
 
+    def norms(self) -> tuple[RMSNorm, RMSNorm, RMSNorm | None, RMSNorm | None]:
+        """As the C++ layer takes them: before attention, before the MLP, and of attention's
+        and the MLP's outputs before their residual sums (None: none); one eps for all."""
+        return self.input_layernorm, self.post_attention_layernorm, None, None
+
     def fuse(self, dense: bool = True) -> bool:
-        """Whether every row can run on the C++ kernels (see layer_call; SiLU MLPs)."""
-        linears = projections(self.self_attn, self.mlp)
-        self.fused = None if self.mlp.gelu else layer_call(linears, dense)
+        """Whether every row can run on the C++ kernels (see layer_call)."""
+        self.fused = layer_call(projections(self.self_attn, self.mlp), dense)
         return self.fused is not None
+
+    def one_call(self, meta: AttentionMetadata, lora: LoRABatch | None) -> bool:
+        """Whether this step runs the layer as its one C++ call: rows on the C++ kernels, no
+        adapter rows, no tensor-parallel sum between the halves."""
+        rows = isinstance(meta, RowAttention)
+        return rows and lora is None and self.whole and self.fused is not None
 
     def forward(
         self,
@@ -524,9 +535,9 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         lora: LoRABatch | None = None,  # per-row adapters, when any row has one
     ) -> torch.Tensor:
-        rows = isinstance(meta, RowAttention)  # the C++ kernels' numerics
-        if rows and lora is None and self.whole and self.fused is not None:
+        if self.one_call(meta, lora):
             return self._fused(x, cos, sin, kv_cache, meta)
+        rows = isinstance(meta, RowAttention)  # the C++ kernels' numerics
         h = self.input_layernorm(x, rows)
         x = x + self.self_attn(h, cos, sin, kv_cache, meta, lora)
         return x + self.mlp(self.post_attention_layernorm(x, rows), rows, lora)
@@ -534,11 +545,11 @@ class DecoderLayer(nn.Module):
     def _fused(self, x, cos, sin, kv_cache, meta: RowAttention) -> torch.Tensor:  # x updated
         op, weights = self.fused
         attn = self.self_attn
+        pre_attn, pre_mlp, *post = (None if n is None else n.weight for n in self.norms())
         op(
-            x, *weights, self.input_layernorm.weight,
-            self.post_attention_layernorm.weight, self.input_layernorm.eps, cos, sin,
-            kv_cache[0], kv_cache[1], meta.slot_mapping, meta.block_tables, meta.row_tables,
-            meta.seq_lens, attn.num_heads, attn.num_kv_heads, attn.scale, attn.window,
-            *attn.head_norms(), attn.rotary_dim,
+            x, *weights, pre_attn, pre_mlp, self.input_layernorm.eps, cos, sin, kv_cache[0],
+            kv_cache[1], meta.slot_mapping, meta.block_tables, meta.row_tables, meta.seq_lens,
+            attn.num_heads, attn.num_kv_heads, attn.scale, attn.window, *attn.head_norms(),
+            attn.rotary_dim, *post, self.mlp.gelu,
         )  # fmt: skip
         return x

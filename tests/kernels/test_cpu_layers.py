@@ -156,7 +156,8 @@ def test_attend_refuses_a_context_beyond_its_table():
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "bfloat16"])
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # a QKV bias; per-head norms
+# a QKV bias; per-head norms; Gemma 3's (post norms, GELU-tanh, a window of 8, heads of 32)
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma3"])
 @pytest.mark.parametrize("bits", [4, 5, 6])  # 5, 6: a 4-bit plane and one per higher bit
 def test_fused_layer_equals_its_pieces_composed(tmp_path, arch, kv_cache_dtype, bits):
     """A layer's one C++ call and its pieces composed from Python (as steps with adapters or
@@ -168,7 +169,8 @@ def test_fused_layer_equals_its_pieces_composed(tmp_path, arch, kv_cache_dtype, 
     from engine.models.quantized import QuantizedLinear, QuantizedWeight
     from models import make_tiny_model
 
-    path = make_tiny_model(tmp_path / "tiny", arch)
+    gemma3 = dict(head_dim=32, sliding_window=8, query_pre_attn_scalar=24)
+    path = make_tiny_model(tmp_path / "tiny", arch, **(gemma3 if arch == "gemma3" else {}))
     llm = LLM(
         str(path),
         quantization="int4",
@@ -179,6 +181,7 @@ def test_fused_layer_equals_its_pieces_composed(tmp_path, arch, kv_cache_dtype, 
     model = llm.engine.runner.model
     assert model.fused_layers
     layer = model.layers[0]
+    assert layer.fused[0] == torch.ops.tandem_cpu.fused_layer
     if bits > 4:  # each projection requantized from its int4 values to wider codes
         for linear in projections(layer.self_attn, layer.mlp):
             f = linear.format
