@@ -276,28 +276,46 @@ def rope_parameters(hf_config, head_dim: int, context: int, layer_type: str | No
 
 
 class RotaryTables(nn.Module):
-    """cos and sin for every position up to max_len ([max_len, D]) from inv_freq [R / 2]: the
-    first R columns rotate, the rest (partial rotary, R < D) have cos 1 and sin 0. `of` builds
-    the model's: every position of max_position_embeddings, for an engine whose context is
-    `context` (LongRoPE's choice)."""
+    """cos and sin of positions ([N] -> [N, 1, D]) from inv_freq [R / 2]: the first R columns
+    rotate, the rest (partial rotary, R < D) have cos 1 and sin 0. `place` says where they come
+    from: on CPU in float32 with the C++ kernels, each step's rows computed from their positions
+    (kernels/cpu/rotary.cpp: no table, whose D x max_len x 8 bytes were Gemma 3 270M's largest
+    part after its embedding); elsewhere tables of every position up to max_len in the model's
+    dtype. `of` builds the model's: max_position_embeddings positions, for an engine whose
+    context is `context` (LongRoPE's choice)."""
 
     def __init__(self, inv_freq: torch.Tensor, scaling: float, max_len: int, head_dim: int):
         super().__init__()
-        freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, R]
-        rest = head_dim - emb.shape[1]
-        cos = torch.cat((emb.cos() * scaling, torch.ones(max_len, rest)), dim=-1)
-        sin = torch.cat((emb.sin() * scaling, torch.zeros(max_len, rest)), dim=-1)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        self.inv_freq, self.scaling = inv_freq.float(), scaling  # [R / 2] (not cast by .to)
+        self.max_len, self.head_dim = max_len, head_dim
+        self.register_buffer("cos", None, persistent=False)  # [max_len, D] once placed
+        self.register_buffer("sin", None, persistent=False)
 
     @classmethod
     def of(cls, hf_config, head_dim: int, context: int, layer_type: str | None = None):
         inv_freq, scaling = rope_parameters(hf_config, head_dim, context, layer_type)
         return cls(inv_freq, scaling, hf_config.max_position_embeddings, head_dim)
 
+    def place(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Tables on `device` in `dtype` (as HF casts cos and sin to the activations' dtype),
+        or none where the C++ kernels compute the rows."""
+        from engine.models.quantized import tandem_kernel_available
+
+        if device.type == "cpu" and dtype == torch.float32 and tandem_kernel_available():
+            self.cos = self.sin = None
+            return
+        freqs = torch.arange(self.max_len, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, R]
+        rest = self.head_dim - emb.shape[1]
+        cos = torch.cat((emb.cos() * self.scaling, torch.ones(self.max_len, rest)), dim=-1)
+        sin = torch.cat((emb.sin() * self.scaling, torch.zeros(self.max_len, rest)), dim=-1)
+        self.cos, self.sin = cos.to(device, dtype), sin.to(device, dtype)
+
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [N, 1, D]
+        if self.cos is None:  # [N, 1, D] each
+            ops = torch.ops.tandem_cpu
+            return ops.rope_rows(positions, self.inv_freq, self.scaling, self.head_dim)
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
 class Attention(nn.Module):
