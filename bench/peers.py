@@ -184,11 +184,12 @@ def self_speculation(repeats: int) -> tuple[float, float, list[float], bool]:
 RSS_PROBE = """
 import json, sys, psutil, torch
 from transformers import AutoConfig, AutoTokenizer
-from engine.models.loader import load_model
+from engine.models.loader import load_model, release_freed_memory
 from engine.models.registry import resolve_model
 torch.set_num_threads(1)
 path = resolve_model(sys.argv[1], dense=sys.argv[2] == "none")
 AutoTokenizer.from_pretrained(str(path)), AutoConfig.from_pretrained(str(path))
+release_freed_memory()  # (else the tokenizer's freed pages, trimmed by the load, count against it)
 rss0 = psutil.Process().memory_info().rss
 model = load_model(path, quantization=None if sys.argv[2] == "none" else sys.argv[2])
 print(json.dumps({"rss": psutil.Process().memory_info().rss - rss0}))

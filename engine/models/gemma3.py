@@ -5,8 +5,9 @@ and layers of two kinds: sliding ones (a window, RoPE base 10k) and every sixth 
 whole context, RoPE base 1M).
 
 The (1 + w) is folded into the norms' weights as they load (in float32, where HF computes it),
-so every norm is the shared RMSNorm. A layer's rows run on the C++ pieces where its projections
-are on the quantized kernel (its shape is not the one fused_layer.cpp computes in one call).
+so every norm is the shared RMSNorm. A layer runs as one C++ call where its projections'
+formats have one (layers.layer_call: the quantized kernel's tiles or CPU float32 weights), the
+post norms and GELU-tanh inside it; the embedding's sqrt(hidden) scale stays in CausalLM.
 """
 
 from __future__ import annotations
@@ -14,20 +15,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from engine.attention import AttentionMetadata, RowAttention
 from engine.models.architectures import Architecture, Checkpoint, WeightMap
 from engine.models.causal_lm import CausalLM
 from engine.models.config import ModelConfig, common_fields
-from engine.models.layers import (
-    Attention,
-    GatedMLP,
-    RMSNorm,
-    RotaryTables,
-    on_tandem_kernel,
-    projections,
-)
+from engine.models.layers import DecoderLayer, RMSNorm, RotaryTables
 from engine.models.parallel import Parallel
 
 if TYPE_CHECKING:
@@ -64,18 +57,23 @@ def gemma3_config(hf) -> ModelConfig:
     )
 
 
-class Gemma3DecoderLayer(nn.Module):
+class Gemma3DecoderLayer(DecoderLayer):
+    """DecoderLayer's projections and one C++ call, with Gemma's four norms: its
+    post_attention_layernorm norms the attention's output (Llama's names the MLP's input)."""
+
     def __init__(self, cfg: ModelConfig, index: int, parallel: Parallel):
-        super().__init__()
-        for name in NORMS:
-            setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
-        self.self_attn = Attention(cfg, index, parallel)
-        self.mlp = GatedMLP(cfg, index, parallel)
+        super().__init__(cfg, index, parallel)
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = "local" if self.self_attn.window else "global"
 
-    def fuse(self, dense: bool = True) -> bool:
-        """Whether the rows can run on the C++ pieces: every projection on the tandem kernel."""
-        return on_tandem_kernel(projections(self.self_attn, self.mlp))
+    def norms(self) -> tuple[RMSNorm, RMSNorm, RMSNorm, RMSNorm]:
+        return (
+            self.input_layernorm,
+            self.pre_feedforward_layernorm,
+            self.post_attention_layernorm,
+            self.post_feedforward_layernorm,
+        )
 
     def forward(
         self,
@@ -86,6 +84,8 @@ class Gemma3DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         lora: LoRABatch | None = None,
     ) -> torch.Tensor:
+        if self.one_call(meta, lora):
+            return self._fused(x, cos, sin, kv_cache, meta)
         rows = isinstance(meta, RowAttention)  # the C++ pieces' numerics
         h = self.self_attn(self.input_layernorm(x, rows), cos, sin, kv_cache, meta, lora)
         x = x + self.post_attention_layernorm(h, rows)

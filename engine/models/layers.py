@@ -276,28 +276,46 @@ def rope_parameters(hf_config, head_dim: int, context: int, layer_type: str | No
 
 
 class RotaryTables(nn.Module):
-    """cos and sin for every position up to max_len ([max_len, D]) from inv_freq [R / 2]: the
-    first R columns rotate, the rest (partial rotary, R < D) have cos 1 and sin 0. `of` builds
-    the model's: every position of max_position_embeddings, for an engine whose context is
-    `context` (LongRoPE's choice)."""
+    """cos and sin of positions ([N] -> [N, 1, D]) from inv_freq [R / 2]: the first R columns
+    rotate, the rest (partial rotary, R < D) have cos 1 and sin 0. `place` says where they come
+    from: on CPU in float32 with the C++ kernels, each step's rows computed from their positions
+    (kernels/cpu/rotary.cpp: no table, whose D x max_len x 8 bytes were Gemma 3 270M's largest
+    part after its embedding); elsewhere tables of every position up to max_len in the model's
+    dtype. `of` builds the model's: max_position_embeddings positions, for an engine whose
+    context is `context` (LongRoPE's choice)."""
 
     def __init__(self, inv_freq: torch.Tensor, scaling: float, max_len: int, head_dim: int):
         super().__init__()
-        freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, R]
-        rest = head_dim - emb.shape[1]
-        cos = torch.cat((emb.cos() * scaling, torch.ones(max_len, rest)), dim=-1)
-        sin = torch.cat((emb.sin() * scaling, torch.zeros(max_len, rest)), dim=-1)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        self.inv_freq, self.scaling = inv_freq.float(), scaling  # [R / 2] (not cast by .to)
+        self.max_len, self.head_dim = max_len, head_dim
+        self.register_buffer("cos", None, persistent=False)  # [max_len, D] once placed
+        self.register_buffer("sin", None, persistent=False)
 
     @classmethod
     def of(cls, hf_config, head_dim: int, context: int, layer_type: str | None = None):
         inv_freq, scaling = rope_parameters(hf_config, head_dim, context, layer_type)
         return cls(inv_freq, scaling, hf_config.max_position_embeddings, head_dim)
 
+    def place(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Tables on `device` in `dtype` (as HF casts cos and sin to the activations' dtype),
+        or none where the C++ kernels compute the rows."""
+        from engine.models.quantized import tandem_kernel_available
+
+        if device.type == "cpu" and dtype == torch.float32 and tandem_kernel_available():
+            self.cos = self.sin = None
+            return
+        freqs = torch.arange(self.max_len, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, R]
+        rest = self.head_dim - emb.shape[1]
+        cos = torch.cat((emb.cos() * self.scaling, torch.ones(self.max_len, rest)), dim=-1)
+        sin = torch.cat((emb.sin() * self.scaling, torch.zeros(self.max_len, rest)), dim=-1)
+        self.cos, self.sin = cos.to(device, dtype), sin.to(device, dtype)
+
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [N, 1, D]
+        if self.cos is None:  # [N, 1, D] each
+            ops = torch.ops.tandem_cpu
+            return ops.rope_rows(positions, self.inv_freq, self.scaling, self.head_dim)
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
 class Attention(nn.Module):
@@ -498,7 +516,8 @@ class DecoderLayer(nn.Module):
     projections' formats have a C++ layer (layer_call: the quantized kernel's, or CPU float32
     weights) runs a step without adapters as one C++ call (kernels/cpu/fused_layer.cpp,
     dense_layer.cpp), the same numbers as its pieces composed here; a step with adapters
-    composes those pieces around the adapters' products."""
+    composes those pieces around the adapters' products. Subclasses with norms of their own
+    (Gemma 3) say which through `norms`."""
 
     def __init__(self, cfg: ModelConfig, index: int, parallel: Parallel):
         super().__init__()
@@ -509,11 +528,21 @@ class DecoderLayer(nn.Module):
         self.whole = parallel.world == 1  # a tensor-parallel layer sums between its halves
         self.fused: tuple | None = None  # (the C++ layer op, its weight operands): layer_call
 
+    def norms(self) -> tuple[RMSNorm, RMSNorm, RMSNorm | None, RMSNorm | None]:
+        """As the C++ layer takes them: before attention, before the MLP, and of attention's
+        and the MLP's outputs before their residual sums (None: none); one eps for all."""
+        return self.input_layernorm, self.post_attention_layernorm, None, None
+
     def fuse(self, dense: bool = True) -> bool:
-        """Whether every row can run on the C++ kernels (see layer_call; SiLU MLPs)."""
-        linears = projections(self.self_attn, self.mlp)
-        self.fused = None if self.mlp.gelu else layer_call(linears, dense)
+        """Whether every row can run on the C++ kernels (see layer_call)."""
+        self.fused = layer_call(projections(self.self_attn, self.mlp), dense)
         return self.fused is not None
+
+    def one_call(self, meta: AttentionMetadata, lora: LoRABatch | None) -> bool:
+        """Whether this step runs the layer as its one C++ call: rows on the C++ kernels, no
+        adapter rows, no tensor-parallel sum between the halves."""
+        rows = isinstance(meta, RowAttention)
+        return rows and lora is None and self.whole and self.fused is not None
 
     def forward(
         self,
@@ -524,9 +553,9 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         lora: LoRABatch | None = None,  # per-row adapters, when any row has one
     ) -> torch.Tensor:
-        rows = isinstance(meta, RowAttention)  # the C++ kernels' numerics
-        if rows and lora is None and self.whole and self.fused is not None:
+        if self.one_call(meta, lora):
             return self._fused(x, cos, sin, kv_cache, meta)
+        rows = isinstance(meta, RowAttention)  # the C++ kernels' numerics
         h = self.input_layernorm(x, rows)
         x = x + self.self_attn(h, cos, sin, kv_cache, meta, lora)
         return x + self.mlp(self.post_attention_layernorm(x, rows), rows, lora)
@@ -534,11 +563,11 @@ class DecoderLayer(nn.Module):
     def _fused(self, x, cos, sin, kv_cache, meta: RowAttention) -> torch.Tensor:  # x updated
         op, weights = self.fused
         attn = self.self_attn
+        pre_attn, pre_mlp, *post = (None if n is None else n.weight for n in self.norms())
         op(
-            x, *weights, self.input_layernorm.weight,
-            self.post_attention_layernorm.weight, self.input_layernorm.eps, cos, sin,
-            kv_cache[0], kv_cache[1], meta.slot_mapping, meta.block_tables, meta.row_tables,
-            meta.seq_lens, attn.num_heads, attn.num_kv_heads, attn.scale, attn.window,
-            *attn.head_norms(), attn.rotary_dim,
+            x, *weights, pre_attn, pre_mlp, self.input_layernorm.eps, cos, sin, kv_cache[0],
+            kv_cache[1], meta.slot_mapping, meta.block_tables, meta.row_tables, meta.seq_lens,
+            attn.num_heads, attn.num_kv_heads, attn.scale, attn.window, *attn.head_norms(),
+            attn.rotary_dim, *post, self.mlp.gelu,
         )  # fmt: skip
         return x

@@ -138,8 +138,9 @@ def load_model(
     if quantization != "gguf":
         checkpoint.check_all_taken()
     model.check_loaded()
-    # The RoPE tables and norms go to dtype too, as HF casts cos/sin to the activations' dtype.
-    model = model.to(device=device, dtype=dtype)
+    model = model.to(device=device, dtype=dtype)  # (the norms)
+    for rotary in model.rotary.values():
+        rotary.place(device, dtype)
     if quantization in ("int4", "int8"):
         model.quantize(4 if quantization == "int4" else 8)
     elif device.type == "cpu" and dtype == torch.float32 and quantization is None:

@@ -1,9 +1,11 @@
-// One Llama-family decoder layer over float32 weights, for any rows of a step, in one call:
+// One Llama-family or Gemma 3 decoder layer over float32 weights, for any rows of a step, in
+// one call:
 //
 //   h = rms_norm(x) w1;  q, k, v = h Wqkv^T (+ b);  rotate q, k (RoPE; head norms if any);
 //   store k, v at the rows' cache slots;  a = softmax(q K^T scale) V over each row's paged
-//   context (paged_attention.h, read in place);  x += a Wo^T;
-//   h = rms_norm(x) w2;  g, u = h Wgu^T (+ b);  x += (silu(g) u) Wdown^T (+ b)
+//   context (paged_attention.h, read in place);  o = a Wo^T;  x += o, or rms_norm(o) p1;
+//   h = rms_norm(x) w2;  g, u = h Wgu^T (+ b);  o = (act(g) u) Wdown^T (+ b);  x += o, or
+//   rms_norm(o) p2  (act: silu or GELU-tanh; p1, p2: Gemma 3's post norms, if given)
 //
 // the dense twin of fused_layer.cpp: the same pieces (layer_pieces.h) around torch's own GEMM
 // instead of the quantized kernel. Each projection is the one its weight format runs from
@@ -63,7 +65,9 @@ void dense_layer(at::Tensor x, const std::vector<at::Tensor>& weights,
                  const at::Tensor& block_tables, const at::Tensor& row_tables,
                  const at::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads, double scale,
                  int64_t window, const std::optional<at::Tensor>& q_norm,
-                 const std::optional<at::Tensor>& k_norm, double head_eps, int64_t rotary_dim) {
+                 const std::optional<at::Tensor>& k_norm, double head_eps, int64_t rotary_dim,
+                 const std::optional<at::Tensor>& post_norm1,
+                 const std::optional<at::Tensor>& post_norm2, bool gelu) {
 #if TANDEM_HAVE_KERNEL
   TORCH_CHECK(weights.size() == 4 && biases.size() == 4,
               "tandem_cpu: dense_layer takes the weights and biases of qkv, o, gate_up, down");
@@ -79,6 +83,7 @@ void dense_layer(at::Tensor x, const std::vector<at::Tensor>& weights,
   const Rows rows =
       rows_of(per_row(slots, batch, "slots"), block_tables, row_tables, seq_lens, batch);
   const HeadPrep prep = head_prep(q_norm, k_norm, head_eps, hd.head_dim, rotary_dim);
+  const LayerExtras extras = layer_extras(post_norm1, post_norm2, gelu, hidden);
   std::vector<std::optional<at::Tensor>> b(biases.begin(), biases.end());
 
   at::Tensor h = at::empty_like(x);  // [B, hidden]
@@ -93,7 +98,8 @@ void dense_layer(at::Tensor x, const std::vector<at::Tensor>& weights,
     attend_rows(qkv.data_ptr<float>(), hd, rows, kc, vc, static_cast<float>(scale), window,
                 attn.data_ptr<float>());
   });
-  x.add_(project(attn, weights[1], b[1]));
+  at::Tensor o = project(attn, weights[1], b[1]).contiguous();  // [B, hidden]
+  add_rows(x.data_ptr<float>(), o.data_ptr<float>(), extras.post_attn, eps, batch, hidden);
 
   norm_rows(x.data_ptr<float>(), norm2.data_ptr<float>(), static_cast<float>(eps), batch, hidden,
             h.data_ptr<float>());
@@ -101,8 +107,9 @@ void dense_layer(at::Tensor x, const std::vector<at::Tensor>& weights,
   const int64_t inter = gu.size(1) / 2;
   TORCH_CHECK(gu.size(1) % 16 == 0, "tandem_cpu: gate_up must be [rows, 2 I], I a multiple of 8");
   at::Tensor act = at::empty({batch, inter}, x.options());  // [B, inter]
-  act_mul_rows<silu_mul>(gu.data_ptr<float>(), batch, inter, act.data_ptr<float>());
-  x.add_(project(act, weights[3], b[3]));
+  gated_act_rows(gu.data_ptr<float>(), batch, inter, act.data_ptr<float>(), extras.gelu);
+  o = project(act, weights[3], b[3]).contiguous();
+  add_rows(x.data_ptr<float>(), o.data_ptr<float>(), extras.post_mlp, eps, batch, hidden);
 #else
   TORCH_CHECK(false, "tandem_cpu: built without AVX2 and FMA");
 #endif
@@ -117,6 +124,7 @@ TORCH_LIBRARY_FRAGMENT(tandem_cpu, lib) {
       "float eps, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, "
       "Tensor block_tables, Tensor row_tables, Tensor seq_lens, int num_heads, "
       "int num_kv_heads, float scale, int window, Tensor? q_norm=None, Tensor? k_norm=None, "
-      "float head_eps=0., int rotary_dim=0) -> ()",
+      "float head_eps=0., int rotary_dim=0, Tensor? post_norm1=None, Tensor? post_norm2=None, "
+      "bool gelu=False) -> ()",
       &tandem::dense_layer);
 }

@@ -1,18 +1,20 @@
-// One Llama-family decoder layer over any rows (decode tokens, verification rows, prefill
-// chunks), in one call:
+// One Llama-family or Gemma 3 decoder layer over any rows (decode tokens, verification rows,
+// prefill chunks), in one call:
 //
-//   h = rms_norm(x) w1;  q, k, v = h Wqkv^T (+ b);  rotate q, k (RoPE, rotate-half);
-//   store k, v at the tokens' cache slots;  a = softmax(q K^T scale) V over each row's paged
-//   context up to its own position (sliding window if any);  x += a Wo^T;
-//   h = rms_norm(x) w2;  g, u = h Wgu^T;  x += (silu(g) u) Wdown^T
+//   h = rms_norm(x) w1;  q, k, v = h Wqkv^T (+ b);  norm q, k per head (if norms);  rotate
+//   q, k (RoPE, rotate-half);  store k, v at the tokens' cache slots;  a = softmax(q K^T scale)
+//   V over each row's paged context up to its own position (sliding window if any);
+//   o = a Wo^T;  x += o, or x += rms_norm(o) p1 (Gemma 3's post norms, if given);
+//   h = rms_norm(x) w2;  g, u = h Wgu^T;  o = (act(g) u) Wdown^T;  x += o, or rms_norm(o) p2
 //
-// the same math as engine/models/llama.py's DecoderLayer, with the four projections on the
-// quantized kernel (quant_matmul.cpp). Float32 throughout (the KV cache may be int8). Every
-// row goes through the same instructions whatever else is in the call, and attends its own
-// context one row at a time, so a row's numbers depend only on its request's tokens: a prompt
-// cached or not, chunked one way or another, recomputed after preemption, or a verification
-// row in place of the same token's decode step, all give the same bits. The pieces are ops
-// of their own too (rms_norm, rope_store, attend, silu_mul): the Python layer composes them
+// act: silu, or GELU's tanh approximation (gelu). The same math as engine/models/layers.py's
+// DecoderLayer (and gemma3.py's), with the four projections on the quantized kernel
+// (quant_matmul.cpp). Float32 throughout (the KV cache may be int8). Every row goes through
+// the same instructions whatever else is in the call, and attends its own context one row at a
+// time, so a row's numbers depend only on its request's tokens: a prompt cached or not,
+// chunked one way or another, recomputed after preemption, or a verification row in place of
+// the same token's decode step, all give the same bits. The pieces are ops of their own too
+// (rms_norm, rope_store, attend, silu_mul, gelu_tanh_mul): the Python layer composes them
 // around LoRA and tensor-parallel sums with the same results for every row those do not touch.
 //
 // The cache and the attention over it: paged_attention.h (float32 caches) and kv_int8.h (int8
@@ -43,7 +45,8 @@ void fused_layer(at::Tensor x, const std::vector<at::Tensor>& weights, at::IntAr
                  const at::Tensor& row_tables, const at::Tensor& seq_lens, int64_t num_heads,
                  int64_t num_kv_heads, double scale, int64_t window,
                  const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
-                 double head_eps, int64_t rotary_dim) {
+                 double head_eps, int64_t rotary_dim, const std::optional<at::Tensor>& post_norm1,
+                 const std::optional<at::Tensor>& post_norm2, bool gelu) {
 #if TANDEM_HAVE_KERNEL
   TORCH_CHECK(weights.size() == 12 && bits.size() == 4 && out_features.size() == 4,
               "tandem_cpu: weights are (codes, d, m) for qkv, o, gate_up, down");
@@ -63,6 +66,7 @@ void fused_layer(at::Tensor x, const std::vector<at::Tensor>& weights, at::IntAr
               "tandem_cpu: cos, sin must be contiguous [B, (1,) D]");
   const Rows rows =
       rows_of(per_row(slots, batch, "slots"), block_tables, row_tables, seq_lens, batch);
+  const LayerExtras extras = layer_extras(post_norm1, post_norm2, gelu, hidden);
   float* xs = x.data_ptr<float>();
 
   thread_local std::vector<float> buf;
@@ -82,13 +86,13 @@ void fused_layer(at::Tensor x, const std::vector<at::Tensor>& weights, at::IntAr
     attend_rows(qkv, hd, rows, kc, vc, static_cast<float>(scale), window, attn);
   });
   linear(w[1], attn, batch, hd.q_size(), out, hidden);
-  for (int64_t i = 0; i < batch * hidden; ++i) xs[i] += out[i];
+  add_rows(xs, out, extras.post_attn, eps, batch, hidden);
 
   norm_rows(xs, norm2.data_ptr<float>(), eps, batch, hidden, h);
   linear(w[2], h, batch, hidden, gu, 2 * inter);
-  act_mul_rows<silu_mul>(gu, batch, inter, act);
+  gated_act_rows(gu, batch, inter, act, extras.gelu);
   linear(w[3], act, batch, inter, out, hidden);
-  for (int64_t i = 0; i < batch * hidden; ++i) xs[i] += out[i];
+  add_rows(xs, out, extras.post_mlp, eps, batch, hidden);
 #else
   TORCH_CHECK(false, "tandem_cpu: built without AVX2 and FMA");
 #endif
@@ -164,7 +168,7 @@ TORCH_LIBRARY_FRAGMENT(tandem_cpu, lib) {
       "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, Tensor block_tables, "
       "Tensor row_tables, Tensor seq_lens, int num_heads, int num_kv_heads, float scale, "
       "int window, Tensor? q_norm=None, Tensor? k_norm=None, float head_eps=0., "
-      "int rotary_dim=0) -> ()",
+      "int rotary_dim=0, Tensor? post_norm1=None, Tensor? post_norm2=None, bool gelu=False) -> ()",
       &tandem::fused_layer);
 #if TANDEM_HAVE_KERNEL
   lib.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &tandem::rms_norm_op);

@@ -1,6 +1,7 @@
 // The row-wise pieces of a decoder layer that the C++ layers share (fused_layer.cpp over
 // quantized projections, dense_layer.cpp over float32 ones): RMSNorm, RoPE with the store of
-// k and v into the cache, the gated activations, and the checks of their arguments. Every
+// k and v into the cache, the gated activations, the residual sums (through Gemma 3's norms of
+// each half's output where given), and the checks of their arguments. Every
 // piece works one row at a time in a fixed order of operations, so a row's bits depend on that
 // row alone.
 #pragma once
@@ -10,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <optional>
+#include <utility>
 
 #include "kv_int8.h"
 #include "paged_attention.h"
@@ -80,7 +82,6 @@ void norm_rows(const float* x, const float* w, float eps, int64_t rows, int64_t 
   for (int64_t b = 0; b < rows; ++b) rms_norm(x + b * n, w, eps, n, out + b * n);
 }
 
-// Per-head RMSNorms of q and k before RoPE (Qwen3), or none (null weights).
 // What each q and k head goes through before the store: an RMSNorm (Qwen3, Gemma 3), RoPE.
 struct HeadPrep {
   const float* q = nullptr;  // [D]
@@ -117,6 +118,46 @@ void act_mul_rows(const float* gu, int64_t rows, int64_t inter, float* act) {
                                          act + b * inter, inter);
 }
 #endif
+
+// What a layer may add to the Llama form (Gemma 3): an RMSNorm of the attention's output and
+// of the MLP's before each residual sum (null: none), and GELU-tanh in the MLP for SiLU.
+struct LayerExtras {
+  const float* post_attn = nullptr;  // [hidden]
+  const float* post_mlp = nullptr;   // [hidden]
+  bool gelu = false;
+};
+
+#if TANDEM_HAVE_KERNEL
+// x += out, or x += rms_norm(out) post, row by row (out [rows, n] normed in place): the bits
+// of the Python pieces' `x + post_norm(out)`, one float add per element either way.
+void add_rows(float* x, float* out, const float* post, float eps, int64_t rows, int64_t n) {
+  if (post != nullptr) norm_rows(out, post, eps, rows, n, out);  // (rms_norm reads, then writes)
+  for (int64_t i = 0; i < rows * n; ++i) x[i] += out[i];
+}
+
+void gated_act_rows(const float* gu, int64_t rows, int64_t inter, float* act, bool gelu) {
+  if (gelu) {
+    act_mul_rows<gelu_tanh_mul>(gu, rows, inter, act);
+  } else {
+    act_mul_rows<silu_mul>(gu, rows, inter, act);
+  }
+}
+#endif
+
+LayerExtras layer_extras(const std::optional<at::Tensor>& post_attn,
+                         const std::optional<at::Tensor>& post_mlp, bool gelu, int64_t hidden) {
+  LayerExtras extras;
+  extras.gelu = gelu;
+  for (auto [t, out] : {std::pair{&post_attn, &extras.post_attn},
+                        std::pair{&post_mlp, &extras.post_mlp}}) {
+    if (!t->has_value()) continue;
+    TORCH_CHECK((*t)->scalar_type() == at::kFloat && (*t)->is_contiguous() &&
+                    (*t)->numel() == hidden,
+                "tandem_cpu: the post norms must be contiguous float32 [hidden]");
+    *out = (*t)->data_ptr<float>();
+  }
+  return extras;
+}
 
 HeadPrep head_prep(const std::optional<at::Tensor>& q_norm,
                    const std::optional<at::Tensor>& k_norm, double eps, int64_t head_dim,

@@ -9,8 +9,8 @@ Python layers' numerics (the bug this guards against: a prompt's rows took anoth
 its decode rows, so a cache hit changed the answer) and the same comparison rejects it.
 SmolLM2 runs in the default suite, with a float32 KV cache, an int8 one and a bfloat16 one
 (their rows are rounded as they are stored, so they too depend on the request's tokens only); the
-Qwen2.5-Coder models are `slow` and need their weight packages (the skip message prints the pip
-command).
+Qwen2.5-Coder models and Gemma 3 270M (its layers one C++ call each, sliding and full) are `slow`
+and need their weight packages (the skip message prints the pip command).
 """
 
 from __future__ import annotations
@@ -71,6 +71,8 @@ def results(outputs) -> list[tuple[list[int], list[float] | None]]:
 
 
 def prompts_for(llm: LLM) -> list[list[int]]:
+    if not getattr(llm.tokenizer, "chat_template", None):  # (Gemma 3 270M: a base model)
+        return [llm.tokenizer.encode(f"{SYSTEM}\n\n{q}") for q in QUESTIONS]
     chats = [
         [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in QUESTIONS
     ]
@@ -175,8 +177,10 @@ def test_prefill_on_another_numerics_breaks_it(smollm2, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"])
-def test_qwen_gguf_requests_keep_their_bits(name):
+@pytest.mark.parametrize(
+    "name", ["qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct", "gemma3-270m"]
+)
+def test_other_gguf_requests_keep_their_bits(name):
     try:
         resolve_model(name)
     except ModelNotFoundError:

@@ -119,9 +119,9 @@ def test_partial_rotary_rotates_the_first_dims_as_hf_and_passes_the_rest():
     g = torch.Generator().manual_seed(3)
     qkv = torch.randn(n, (num_heads + 2 * num_kv_heads) * d, generator=g)
     inv_freq = 1.0 / 10000 ** (torch.arange(0, rotary, 2).float() / rotary)
-    tables = RotaryTables(inv_freq, 1.0, 16, d)
+    tables = RotaryTables(inv_freq, 1.0, 16, d)  # (unplaced: rope_rows)
     positions = torch.tensor([0, 3, 7, 11, 15])
-    cos, sin = tables.cos[positions], tables.sin[positions]  # [n, d]
+    cos, sin = (t[:, 0] for t in tables(positions))  # [n, d]
     q = qkv[:, : num_heads * d].view(n, num_heads, d)
     k = qkv[:, num_heads * d : (num_heads + num_kv_heads) * d].view(n, num_kv_heads, d)
     hf_cos, hf_sin = cos[None, :, :rotary], sin[None, :, :rotary]  # HF's: [1, n, rotary]
@@ -148,6 +148,36 @@ def test_partial_rotary_rotates_the_first_dims_as_hf_and_passes_the_rest():
             assert torch.equal(got_q[..., rotary:], q[..., rotary:])  # passed through as is
 
 
+@pytest.mark.parametrize(("base", "rotary"), [(10_000.0, 256), (1_000_000.0, 256), (10_000.0, 24)])
+def test_rope_rows_are_the_table_rows_within_an_ulp_and_stand_alone(base, rotary):
+    """rope_rows (each step's cos and sin from its positions, no table) against the table of
+    every position torch builds elsewhere, at Gemma 3's two bases over its 32k context and a
+    partial rotary (24 of 32 dims): within one float32 ulp (glibc's cosf and sinf against
+    torch's vectorized ones; 95-96% of entries equal measured, and rope_rows' the closer to
+    float64's: 98.7% correctly rounded against 95.3%); a row's values are the same alone or
+    among others; the broken variant (positions off by one) is far outside."""
+    from engine.models.layers import RotaryTables
+
+    d = max(rotary, 32)
+    inv_freq = 1.0 / base ** (torch.arange(0, rotary, 2).float() / rotary)
+    tables = RotaryTables(inv_freq, 1.0, 32768, d)
+    positions = torch.arange(32768)
+    got = tables(positions)  # (unplaced: rope_rows)
+    tables.place(torch.device("cpu"), torch.float64)  # the table, as built for other devices
+    want = tables(positions)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == (32768, 1, d) and g.dtype == torch.float32
+        w = w.float()
+        assert (g - w).abs().le(torch.finfo(torch.float32).eps * w.abs()).all()  # an ulp
+        assert g.eq(w).float().mean() > 0.9
+        assert torch.equal(g[:, 0, rotary:], w[:, 0, rotary:])  # cos 1, sin 0
+    rows = torch.tensor([31000, 5, 17, 5])
+    for g, part in zip(got, RotaryTables(inv_freq, 1.0, 32768, d)(rows), strict=True):
+        assert torch.equal(part, g[rows])
+    shifted = RotaryTables(inv_freq, 1.0, 32768, d)(positions + 1)[0]
+    assert not torch.allclose(shifted[:, 0, :rotary], got[0][:, 0, :rotary], atol=1e-2)
+
+
 def test_attend_refuses_a_context_beyond_its_table():
     heads = (2, 1, 8)
     qkv, caches, tables, row_tables, seq_lens = requests_in_cache(heads, 4, [6])
@@ -156,7 +186,8 @@ def test_attend_refuses_a_context_beyond_its_table():
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "bfloat16"])
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # a QKV bias; per-head norms
+# a QKV bias; per-head norms; Gemma 3's (post norms, GELU-tanh, a window of 8, heads of 32)
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma3"])
 @pytest.mark.parametrize("bits", [4, 5, 6])  # 5, 6: a 4-bit plane and one per higher bit
 def test_fused_layer_equals_its_pieces_composed(tmp_path, arch, kv_cache_dtype, bits):
     """A layer's one C++ call and its pieces composed from Python (as steps with adapters or
@@ -168,7 +199,8 @@ def test_fused_layer_equals_its_pieces_composed(tmp_path, arch, kv_cache_dtype, 
     from engine.models.quantized import QuantizedLinear, QuantizedWeight
     from models import make_tiny_model
 
-    path = make_tiny_model(tmp_path / "tiny", arch)
+    gemma3 = dict(head_dim=32, sliding_window=8, query_pre_attn_scalar=24)
+    path = make_tiny_model(tmp_path / "tiny", arch, **(gemma3 if arch == "gemma3" else {}))
     llm = LLM(
         str(path),
         quantization="int4",
@@ -179,6 +211,7 @@ def test_fused_layer_equals_its_pieces_composed(tmp_path, arch, kv_cache_dtype, 
     model = llm.engine.runner.model
     assert model.fused_layers
     layer = model.layers[0]
+    assert layer.fused[0] == torch.ops.tandem_cpu.fused_layer
     if bits > 4:  # each projection requantized from its int4 values to wider codes
         for linear in projections(layer.self_attn, layer.mlp):
             f = linear.format

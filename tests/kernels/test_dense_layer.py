@@ -1,6 +1,7 @@
 """The dense C++ layer (kernels/cpu/dense_layer.cpp): one call per decoder layer over float32
 weights. It equals its pieces composed from Python bit for bit (as steps with adapters run
-them), over plain and oneDNN-packed weights, with a QKV bias, MLP biases and per-head norms;
+them), over plain and oneDNN-packed weights, with a QKV bias, MLP biases, per-head norms and
+Gemma 3's layer (post norms, GELU-tanh, a sliding window);
 it computes the torch reference's layer (to float32 rounding); `quantization=None` on CPU runs
 through it; and steps with a LoRA adapter compose the pieces around the adapter instead."""
 
@@ -21,6 +22,8 @@ BLOCK = 4
 # Three requests: a prompt of 9 tokens, a decode token at 1, a chunk of 6 over 8 cached tokens
 # (16 rows); or those and a chunk of 30 over 15 cached tokens (46 rows: the packed GEMM pads
 # them to 48).
+# Gemma 3 with heads of 32 (not its default 256) and a window of 8: both layers slide.
+GEMMA3 = dict(head_dim=32, sliding_window=8, query_pre_attn_scalar=24)
 STEPS = {
     16: ([9, 1, 14], [9, 1, 6], [[1, 2, 3], [4], [5, 6, 7, 8]]),
     46: ([9, 1, 14, 45], [9, 1, 6, 30], [[1, 2, 3], [4], [5, 6, 7, 8], list(range(9, 21))]),
@@ -53,8 +56,8 @@ def dense_model(tmp_path, arch: str, packed: bool, **kw):
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain"])
 @pytest.mark.parametrize(
     ("arch", "kw"),
-    [("qwen2", {}), ("qwen3", {}), ("llama", {"mlp_bias": True})],
-    ids=["qkv-bias", "head-norms", "mlp-bias"],
+    [("qwen2", {}), ("qwen3", {}), ("llama", {"mlp_bias": True}), ("gemma3", GEMMA3)],
+    ids=["qkv-bias", "head-norms", "mlp-bias", "gemma3"],
 )
 def test_dense_layer_equals_its_pieces_composed(tmp_path, arch, kw, packed, num_rows):
     """The one call and the pieces composed from Python: the same hidden states and caches,
@@ -85,19 +88,20 @@ def test_dense_layer_equals_its_pieces_composed(tmp_path, arch, kw, packed, num_
     assert not torch.equal(fused, x)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_dense_layer_computes_the_torch_reference_layer(tmp_path, arch):
+@pytest.mark.parametrize(("arch", "kw"), [("qwen2", {}), ("qwen3", {}), ("gemma3", GEMMA3)])
+def test_dense_layer_computes_the_torch_reference_layer(tmp_path, arch, kw):
     """Whole prompts (every key written in the step, so each path reads only its own cache
     layout): the C++ layer's rows against the torch reference's (norms, RoPE, bucketed and
-    prefill attention in torch), to float32 rounding; a layer whose RoPE is cut to no rotation
-    is far outside that tolerance."""
-    model, cfg = dense_model(tmp_path, arch, packed=True)
+    prefill attention in torch; Gemma 3's window of 8 inside the 9-token prompt), to float32
+    rounding; a layer whose RoPE is cut to no rotation is far outside that tolerance."""
+    model, cfg = dense_model(tmp_path, arch, packed=True, **kw)
     layer = model.layers[1]
     seq_lens, tables = [9, 1, 5], [[1, 2, 3], [4], [5, 6]]
     x, cos, sin, slots = step_inputs(model, seq_lens, seq_lens, tables, seed=1)
     caches = torch.zeros(2, cfg.num_kv_heads, 7, BLOCK, cfg.head_dim)
     rows = row_metadata(seq_lens, seq_lens, tables, slots, BLOCK)
-    reference = bucketed_metadata(seq_lens, seq_lens, tables, slots, BLOCK, None)
+    window = layer.self_attn.window or None
+    reference = bucketed_metadata(seq_lens, seq_lens, tables, slots, BLOCK, window)
     fused = layer(x.clone(), cos, sin, caches.clone(), rows)
     want = layer(x.clone(), cos, sin, caches.clone(), reference)
     torch.testing.assert_close(fused, want, rtol=1e-5, atol=1e-5)
