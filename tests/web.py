@@ -17,7 +17,10 @@ from engine.entrypoints.openai.server import ServerState, build_app
 from engine.llm_engine import LLMEngine
 from playground.launch import free_port
 
-__all__ = ["API_KEY", "command_line", "make_state", "serving", "tiny_serving", "wait_idle"]
+__all__ = [
+    "API_KEY", "command_line", "engine_held", "make_state", "serving", "tiny_serving", "until",
+    "wait_idle",
+]  # fmt: skip
 API_KEY = "test-key-123"
 
 
@@ -101,3 +104,18 @@ def wait_idle(engine, timeout: float = 15.0) -> dict:
             busy = list(engine.engine.groups)
             raise AssertionError(f"engine still busy after {timeout} s: {busy}")
         time.sleep(0.05)
+
+
+@contextmanager
+def engine_held(state: ServerState) -> Iterator[None]:
+    """The engine steps no more until the block ends (admitted requests wait in the server)."""
+    with state.engine.lock:
+        yield
+
+
+def until(predicate, what: str, timeout: float = 60.0) -> None:
+    """Poll predicate() until true; fails naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)

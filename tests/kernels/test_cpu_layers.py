@@ -330,16 +330,22 @@ def test_int8_attend_equals_attention_over_the_dequantized_rows(block_size, head
     blocks, offsets = (torch.tensor(c) for c in zip(*flat_slots, strict=True))
     held[:, q_size : q_size + kv_size] = k_rows[:, blocks, offsets].transpose(0, 1).flatten(1)
     held[:, q_size + kv_size :] = v_rows[:, blocks, offsets].transpose(0, 1).flatten(1)
-    scale = d**-0.5
-    got = attend(qkv, int8, tables, row_tables, seq_lens, heads, scale, window)
+    assert_attends_as_stored(qkv, held, int8, tables, row_tables, seq_lens, heads, lens, window)
+
+
+def assert_attends_as_stored(qkv, held, caches, tables, row_tables, seq_lens, heads, lens, window):
+    """attend over a cache whose rows were rounded as stored equals softmax attention over
+    `held` (qkv with its K and V rows as the cache holds them), not over qkv's own rows (the
+    broken variant), and any subset of rows gives those rows' bits alone."""
+    scale = heads[2] ** -0.5
+    got = attend(qkv, caches, tables, row_tables, seq_lens, heads, scale, window)
     want = reference_attention(held, heads, lens, scale, window).float()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    # the broken variant: the same attention over the rows as they came (not as stored)
     exact = reference_attention(qkv, heads, lens, scale, window).float()
     assert not torch.allclose(got, exact, rtol=1e-5, atol=1e-5)
     for rows in ([0], [30], [64, 3, 40], list(range(20, 64, 5))):
         part = attend(
-            qkv[rows], int8, tables, row_tables[rows], seq_lens[rows], heads, scale, window
+            qkv[rows], caches, tables, row_tables[rows], seq_lens[rows], heads, scale, window
         )
         assert torch.equal(part, got[rows]), rows
 
@@ -378,17 +384,7 @@ def test_bfloat16_attend_equals_attention_over_the_rounded_rows(block_size, head
     q_size = num_heads * d
     held = qkv.clone()
     held[:, q_size:] = held[:, q_size:].to(torch.bfloat16).float()
-    scale = d**-0.5
-    got = attend(qkv, bf16, tables, row_tables, seq_lens, heads, scale, window)
-    want = reference_attention(held, heads, lens, scale, window).float()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    # the broken variant: the same attention over the rows as they came (not as stored)
-    exact = reference_attention(qkv, heads, lens, scale, window).float()
-    assert not torch.allclose(got, exact, rtol=1e-5, atol=1e-5)
-    for rows in ([0], [30], [64, 3, 40], list(range(20, 64, 5))):
-        part = attend(
-            qkv[rows], bf16, tables, row_tables[rows], seq_lens[rows], heads, scale, window
-        )
-        assert torch.equal(part, got[rows]), rows
+    assert_attends_as_stored(qkv, held, bf16, tables, row_tables, seq_lens, heads, lens, window)
+    scale = heads[2] ** -0.5
     with pytest.raises(RuntimeError, match="both alike"):  # K and V in one type
         attend(qkv, (bf16[0], caches[1]), tables, row_tables, seq_lens, heads, scale, window)

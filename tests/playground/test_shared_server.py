@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import httpx
 import pytest
-from web import API_KEY, serving, wait_idle
+from web import API_KEY, engine_held, serving, until, wait_idle
 
 from engine.config import EngineConfig
 from engine.entrypoints.async_engine import AsyncEngine, OutputObserver
@@ -67,20 +66,6 @@ def form(prompt: str, max_tokens: int = 4) -> list:
     """The generate / race form (completion mode, greedy, no speculation) and an empty chat."""
     args = ["completion", prompt, 0.0, 1.0, 0, max_tokens, -1, "off", 4, True, "(base model)"]
     return [*args, "none", "", "", "none", "", []]
-
-
-@contextmanager
-def engine_held(state):
-    """The engine steps no more until the block ends (admitted requests wait in the server)."""
-    with state.engine.lock:
-        yield
-
-
-def until(predicate, what: str) -> None:
-    deadline = time.monotonic() + 60
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
 
 
 def refused(call) -> str:

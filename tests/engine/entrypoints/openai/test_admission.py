@@ -9,14 +9,12 @@ each step takes): admitted requests then wait in the server, as in a real backlo
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import httpx
 import openai
 import pytest
-from web import tiny_serving, wait_idle
+from web import engine_held, tiny_serving, until, wait_idle
 
 from engine.entrypoints.openai.admission import AdmissionLimits
 
@@ -32,20 +30,6 @@ def limited(tiny_llama):
 def post(url: str, body: dict, **kwargs) -> httpx.Response:
     body = {"model": "tiny", "max_tokens": 2, **body}
     return httpx.post(url + "/v1/completions", json=body, timeout=120, **kwargs)
-
-
-@contextmanager
-def engine_held(state):
-    """The engine steps no more until the block ends (requests pile up in the server)."""
-    with state.engine.lock:
-        yield
-
-
-def until(predicate, what: str) -> None:
-    deadline = time.monotonic() + 60
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
 
 
 def assert_all_returned(state) -> None:
