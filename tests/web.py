@@ -18,8 +18,8 @@ from engine.llm_engine import LLMEngine
 from playground.launch import free_port
 
 __all__ = [
-    "API_KEY", "command_line", "engine_held", "make_state", "serving", "tiny_serving", "until",
-    "wait_idle",
+    "API_KEY", "assert_all_returned", "command_line", "engine_held", "make_state", "serving",
+    "tiny_serving", "until", "wait_idle",
 ]  # fmt: skip
 API_KEY = "test-key-123"
 
@@ -119,3 +119,11 @@ def until(predicate, what: str, timeout: float = 60.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, what
         time.sleep(0.01)
+
+
+def assert_all_returned(state: ServerState) -> None:
+    """Admission holds nothing and every KV block is back in the pool."""
+    until(lambda: state.admission.num_requests == 0, "admitted requests released")
+    assert state.admission.num_tokens == 0
+    snap = wait_idle(state.engine)
+    assert snap["num_free_blocks"] == snap["num_blocks"]

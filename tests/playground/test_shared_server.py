@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
-from web import API_KEY, engine_held, serving, until, wait_idle
+from web import API_KEY, assert_all_returned, engine_held, serving, until, wait_idle
 
 from engine.config import EngineConfig
 from engine.entrypoints.async_engine import AsyncEngine, OutputObserver
@@ -75,13 +75,6 @@ def refused(call) -> str:
     with pytest.raises(AppError) as error:
         call()
     return str(error.value)
-
-
-def assert_all_returned(state) -> None:
-    until(lambda: state.admission.num_requests == 0, "admitted requests released")
-    assert state.admission.num_tokens == 0
-    snap = wait_idle(state.engine)
-    assert snap["num_free_blocks"] == snap["num_blocks"]
 
 
 def test_the_playground_takes_no_more_than_the_api(shared):

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from web import engine_held, tiny_serving, until, wait_idle
+from web import assert_all_returned, engine_held, tiny_serving, until
 
 from engine.entrypoints.openai.admission import AdmissionLimits
 
@@ -30,13 +30,6 @@ def limited(tiny_llama):
 def post(url: str, body: dict, **kwargs) -> httpx.Response:
     body = {"model": "tiny", "max_tokens": 2, **body}
     return httpx.post(url + "/v1/completions", json=body, timeout=120, **kwargs)
-
-
-def assert_all_returned(state) -> None:
-    until(lambda: state.admission.num_requests == 0, "admitted requests released")
-    assert state.admission.num_tokens == 0
-    snap = wait_idle(state.engine)
-    assert snap["num_free_blocks"] == snap["num_blocks"]
 
 
 def test_prompts_per_request_at_and_past_the_limit(limited):
