@@ -151,7 +151,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def snapshot(request: Request) -> dict:
         """What the playground draws: blocks, tables, sharing, speculation, adapters (with API
         keys: the key's own requests, and counts of the rest; engine.entrypoints.tenancy)."""
-        tenant = getattr(request.state, "tenant_salt", None)
+        tenant = tenant_of(request)
         return await asyncio.to_thread(state.engine.snapshot, tenant)
 
     @app.get("/v1/models")
@@ -309,7 +309,7 @@ async def _answer(state: ServerState, request: Request, kind: str, ticket: Ticke
     ctx.with_prediction = body.get("prediction") is not None
     what = "messages" if is_chat else "prompt"
     _check_max_tokens(state, ids, params, what)
-    tenant = getattr(request.state, "tenant_salt", None)  # whose snapshot shows the request
+    tenant = tenant_of(request)  # whose snapshot shows the request
     salt = cache_salt(request, body)
     streams = await _add_all(state, ctx.id, ids, params, lora, salt, body, what, tenant)
     with_spec_stats = bool(body.get("return_spec_stats"))
@@ -325,10 +325,15 @@ async def _answer(state: ServerState, request: Request, kind: str, ticket: Ticke
     return JSONResponse(responses.final_response(ctx, finals, with_spec_stats), headers=headers)
 
 
+def tenant_of(request: Request) -> str | None:
+    """The salt of the API key the request came with (middleware's `tenant_salt`), or None."""
+    return getattr(request.state, "tenant_salt", None)
+
+
 def cache_salt(request: Request, body: dict) -> str | None:
     """The prefix cache's salt for a request's KV. With API keys a request without a salt takes
     its key's: tenants share no KV unless their requests give the same cache_salt."""
-    return body.get("cache_salt") or getattr(request.state, "tenant_salt", None)
+    return body.get("cache_salt") or tenant_of(request)
 
 
 async def _beam_search(
