@@ -221,7 +221,7 @@ class Speculation:
         if self.adaptive is None:
             return
         for request, _, k in sched.scheduled():
-            free = len(self._forced.get(request, ())) + len(self._predicted.get(request, ()))
+            free = self._free(request)
             if k > free and request.params.num_speculative_tokens is None:
                 has_drafts = len(sched.drafts.get(request, ())) > free
                 self.acceptance(request).ask(has_drafts, self.adaptive.DECAY)
