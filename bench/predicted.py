@@ -106,7 +106,8 @@ def main() -> int:
             f"batch {batch}: plain {n_plain} tokens {t_plain:.1f} s {tps_plain:.1f} tok/s; "
             f"predicted {n_pred} tokens {t_pred:.1f} s {tps_pred:.1f} tok/s; "
             f"x{tps_pred / tps_plain:.2f}; prediction drafts accepted {accepted}, rejected "
-            f"{rejected}; outputs equal {sum(same)}/{batch}",
+            f"{rejected}; outputs equal {sum(same)}/{batch}; ended by EOS "
+            f"{sum(o.outputs[0].finish_reason == 'stop' for o in base)}/{batch}",
             flush=True,
         )
         result[f"speedup_b{batch}"] = f"{tps_pred / tps_plain:.2f}"

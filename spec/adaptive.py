@@ -40,6 +40,14 @@ another request surely does only add rows to steps the batch takes anyway, so th
 
 Until the cost fits have seen rows of at least two sizes, requests take their cap on every other
 step and no drafts on the others (two row counts, so the fits become ready).
+
+Plans without drafts teach the estimates nothing: the cost fit keeps its last line and the
+acceptance counts fade towards the prior, so a fit whose rows look dear (verified rows attend a
+long context) could keep a prior-rate request off for good, although its drafts would land. So
+after EXPLORE_AFTER such plans in a row the best candidate is given one draft, on every plan
+until one is verified (a proposer without drafts for it costs nothing); an explored draft that
+is rejected doubles the wait, up to EXPLORE_AFTER_MAX plans: where drafting never pays, at most
+one verified row per EXPLORE_AFTER_MAX steps is spent finding out.
 """
 
 from __future__ import annotations
@@ -111,6 +119,8 @@ class AdaptiveSpeculation:
     ENGINE_DECAY = 0.98  # per verification, for the engine-wide counts
     PRIOR_WEIGHT = 4.0  # positions' worth of the engine-wide rate in a request's estimate
     MAX_ACCEPTANCE = 0.98
+    EXPLORE_AFTER = 16  # plans in a row without drafts before one draft is tried
+    EXPLORE_AFTER_MAX = 256  # the wait, doubled by each rejected try, goes no further
 
     def __init__(self, uses_draft_model: bool):
         self.target = LinearCost()  # decode steps only (see observe_target)
@@ -118,6 +128,9 @@ class AdaptiveSpeculation:
         self.engine_acceptance = Acceptance()
         self.by_position: list[Acceptance] = []  # [j]: engine-wide, draft j+1 given j landed
         self._explore = False  # unready: whether this plan takes the caps (else no drafts)
+        self._idle_plans = 0  # plans in a row without drafts since the last verification
+        self._explore_after = self.EXPLORE_AFTER
+        self._exploring = False  # a draft was given to find out, not because it pays
 
     @property
     def ready(self) -> bool:
@@ -130,6 +143,11 @@ class AdaptiveSpeculation:
             self.target.observe(num_rows, seconds)
 
     def observe_verification(self, own: Acceptance, num_drafts: int, num_accepted: int) -> None:
+        if num_drafts and self._exploring:
+            wait = self.EXPLORE_AFTER if num_accepted else 2 * self._explore_after
+            self._explore_after = min(wait, self.EXPLORE_AFTER_MAX)
+        if num_drafts:
+            self._idle_plans = 0
         own.observe(num_drafts, num_accepted, self.DECAY)
         self.engine_acceptance.observe(num_drafts, num_accepted, self.ENGINE_DECAY)
         num_judged = min(num_accepted + 1, num_drafts)  # up to and including a rejection
@@ -215,6 +233,9 @@ class AdaptiveSpeculation:
             self._explore = not self._explore
             return [c.cap if self._explore else 0 for c in candidates]
         ks = self._goodput_plan(candidates)
+        self._exploring = False  # (the last plan's drafts, if any, are verified by now)
+        if not any(ks):
+            ks = self._explored(candidates, ks)
         if closed_steps is not None:
             ks = _drop_drafts_the_batch_waits_for(candidates, ks, closed_steps)
         if not any(ks):
@@ -251,6 +272,17 @@ class AdaptiveSpeculation:
             if _faster((tokens, seconds), best):
                 best_ks, best = list(ks), (tokens, seconds)
         return best_ks
+
+    def _explored(self, candidates: list[Candidate], ks: list[int]) -> list[int]:
+        """A plan without drafts, or after EXPLORE_AFTER of them (the wait since the last
+        verification) one draft for the best candidate that may take one."""
+        self._idle_plans += 1
+        able = [i for i, c in enumerate(candidates) if c.cap >= 1]
+        if self._idle_plans < self._explore_after or not able:
+            return ks
+        best = max(able, key=lambda i: candidates[i].gain(1))
+        self._exploring = True
+        return [int(i == best) for i in range(len(candidates))]
 
     def _fade_engine_history(self) -> None:
         """A step in which nobody drafts teaches nothing. Without this, a few early rejections

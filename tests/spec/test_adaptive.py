@@ -126,6 +126,38 @@ def test_early_rejections_do_not_switch_speculation_off_for_good():
         assert idle_steps < 60, "speculation never resumed"
 
 
+def test_a_fit_that_prices_rows_dear_still_tries_a_draft_and_resumes_when_drafts_land():
+    """The fit measured on the agent benchmark at ~2,500 tokens of context, 1 thread (6.5 ms +
+    10.8 ms a verified row): at the prior rate (0.5) no draft pays, and an idle planner's fit
+    never changes, so n-gram stayed off for whole conversations whose drafts land 90% of the
+    time. After EXPLORE_AFTER idle plans one draft is tried; drafts that land bring the full
+    plan back; rejected tries wait twice as long each time, up to EXPLORE_AFTER_MAX."""
+    spec = planner(fixed=0.0065, per_row=0.0108)
+    own = Acceptance()
+
+    def plans_until_a_draft(limit: int = 1000) -> int:
+        for n in range(1, limit + 1):
+            if spec.plan([spec.candidate(own, 4, 1, 100)])[0]:
+                return n
+            spec.idle(own)
+        return limit + 1
+
+    assert plans_until_a_draft() == AdaptiveSpeculation.EXPLORE_AFTER
+    for _ in range(6):  # the tries land: each verification raises the estimate
+        spec.observe_verification(own, 1, 1)
+        if spec.plan([spec.candidate(own, 4, 1, 100)])[0] == 4:
+            break
+    assert spec.plan([spec.candidate(own, 4, 1, 100)]) == [4]
+
+    bad = planner(fixed=0.0065, per_row=0.0108)
+    spec, own = bad, Acceptance()
+    waits = []
+    for _ in range(6):  # tries rejected: 16, 32, 64, 128, 256, 256 plans apart
+        waits.append(plans_until_a_draft())
+        spec.observe_verification(own, 1, 0)
+    assert waits == [16, 32, 64, 128, 256, 256]
+
+
 def test_not_ready_planner_alternates_caps_and_no_drafts():
     """Until the fits are ready, steps alternate between every cap and no drafts, so decode
     steps come in two row counts even where every request always drafts its cap (a self-draft
