@@ -44,7 +44,8 @@ step and no drafts on the others (two row counts, so the fits become ready).
 Plans without drafts teach the estimates nothing: the cost fit keeps its last line and the
 acceptance counts fade towards the prior, so a fit whose rows look dear (verified rows attend a
 long context) could keep a prior-rate request off for good, although its drafts would land. So
-after EXPLORE_AFTER such plans in a row the best candidate is given one draft, on every plan
+after EXPLORE_AFTER such plans in a row the best candidate is given one draft (proposers without
+a draft model: a draft model's first draft after idle steps computes all it sat out), on every plan
 until one is verified (a proposer without drafts for it costs nothing); an explored draft that
 is rejected doubles the wait, up to EXPLORE_AFTER_MAX plans: where drafting never pays, at most
 one verified row per EXPLORE_AFTER_MAX steps is spent finding out.
@@ -275,10 +276,12 @@ class AdaptiveSpeculation:
 
     def _explored(self, candidates: list[Candidate], ks: list[int]) -> list[int]:
         """A plan without drafts, or after EXPLORE_AFTER of them (the wait since the last
-        verification) one draft for the best candidate that may take one."""
+        verification) one draft for the best candidate that may take one. Not with a draft
+        model: its first draft after idle steps computes every token it sat out (the catch-up
+        the goodput plan prices), so a try is not one row."""
         self._idle_plans += 1
         able = [i for i, c in enumerate(candidates) if c.cap >= 1]
-        if self._idle_plans < self._explore_after or not able:
+        if self.draft is not None or self._idle_plans < self._explore_after or not able:
             return ks
         best = max(able, key=lambda i: candidates[i].gain(1))
         self._exploring = True

@@ -157,6 +157,10 @@ def test_a_fit_that_prices_rows_dear_still_tries_a_draft_and_resumes_when_drafts
         spec.observe_verification(own, 1, 0)
     assert waits == [16, 32, 64, 128, 256, 256]
 
+    # A draft model's first draft after idle steps computes all it sat out: no tries there.
+    spec, own = planner(fixed=0.0065, per_row=0.0108, draft=(0.004, 0.002)), Acceptance()
+    assert plans_until_a_draft() > 1000
+
 
 def test_not_ready_planner_alternates_caps_and_no_drafts():
     """Until the fits are ready, steps alternate between every cap and no drafts, so decode
