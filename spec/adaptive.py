@@ -144,6 +144,9 @@ class StepCost:
         # Keys apart from rows: their covariance is not (near) singular.
         if cov[2, 2] * cov[1, 1] - cov[1, 2] ** 2 > 1e-6 * cov[1, 1] * max(cov[2, 2], 1e-12):
             fixed, per_row, per_key = np.linalg.solve(m[:3, :3], m[:3, 3])
+            if per_row < 0.0 <= per_key:  # deep in, a row's cost is all attention: noise
+                per_row = 0.0  # took its slope below 0; then fixed + per_key * keys alone
+                fixed, per_key = np.linalg.solve(m[np.ix_([0, 2], [0, 2])], m[[0, 2], 3])
             if per_row >= 0.0 and per_key >= 0.0:
                 self.fixed, self.per_row = max(fixed, 0.0), per_row
                 self.per_key = per_key * self.KEY_SCALE

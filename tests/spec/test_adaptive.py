@@ -52,6 +52,15 @@ def test_step_cost_separates_rows_from_the_context_they_attend():
         cost.observe(rows, 0.02 + 0.001 * rows + 5e-6 * rows * context, rows * context)
     assert (cost.fixed, cost.per_row, cost.per_key) == pytest.approx((0.02, 0.001, 5e-6))
     assert cost.row(3600) == pytest.approx(0.019)
+    # Deep in, rows cost attention only (20 ms + 5 us per key): a slope over rows fitted below
+    # zero by noise keeps the keys' term (a rows-only line would price a row at 3.6k tokens
+    # everywhere, and stay so while steps keep one row).
+    deep = StepCost()
+    for i in range(60):
+        context, rows = 3600 + 3 * i, 1 + (5 * i) % 8
+        noise = 0.0005 * (-1) ** i * (rows > 4)  # slower short steps, faster long ones
+        deep.observe(rows, 0.02 + 5e-6 * rows * context - noise, rows * context)
+    assert deep.per_row == 0.0 and deep.per_key == pytest.approx(5e-6, rel=0.05)
     flat = StepCost()
     for rows in (1, 9, 3, 27):
         flat.observe(rows, 0.02 + 0.004 * rows, rows * 1000)
