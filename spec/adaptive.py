@@ -11,9 +11,10 @@ Two things are estimated online, nothing is assumed about the machine:
   span is entered it tends to run on). A request's rate at position j is the engine's at j,
   shifted in log-odds by how the request compares with the engine; draft j then adds
   P(drafts 1..j all land) expected tokens (a^j if acceptance were the same at every depth);
-- step times as a + b * rows by exponentially weighted least squares: the target's forward (plus
-  sampling and verification) over the rows of decode steps, and, with a draft model, each draft
-  pass over its rows. A step that carries a prompt chunk is not fitted: a chunk's rows cost
+- step times by exponentially weighted least squares: the target's forward (plus sampling and
+  verification) over the rows of decode steps as a + b * rows + c * keys (`StepCost`: keys, the
+  context the rows attend, summed over them), and, with a draft model, each draft pass over its
+  rows (a + b * rows). A step that carries a prompt chunk is not fitted: a chunk's rows cost
   what a prefill's do (a GEMM over hundreds of rows), not what a verified row adds to a decode
   step, and a few 1024-row chunks would otherwise set the line's slope.
 
@@ -55,6 +56,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+import numpy as np
 
 from engine.step_budget import LinearCost
 
@@ -106,6 +109,7 @@ class Candidate:
     remaining: int | None = None  # most tokens it may still emit (None: unknown)
     must_run: int = 0  # tokens it emits for sure (EOS ignored, no stop condition)
     offered: float = 1.0  # share of its steps the proposer has drafts for
+    context: int = 0  # tokens each of its rows attends (a verified row costs more deep in)
 
     def gain(self, level: int) -> float:
         """Expected tokens that draft `level` adds."""
@@ -113,6 +117,60 @@ class Candidate:
 
     def tokens_per_step(self, k: int) -> float:
         return 1.0 + self.offered * sum(self.gain(j) for j in range(1, k + 1))
+
+
+class StepCost:
+    """A target step's seconds ~ fixed + per_row * rows + per_key * keys, keys being the context
+    the step's rows attend, summed over them: each verified row reads its whole context, so a
+    draft costs more deep in a conversation than near its start (several times more at 3.6k
+    tokens than at 0.8k on one CPU thread: bench/RESULTS.md "Suffix decoding on an agent
+    loop"). A rows-only line priced every row at the deepest recent context and, with no
+    drafts, kept that price for good (all steps one row: nothing to refit). Exponentially
+    weighted least squares, as LinearCost; the keys term only once keys vary apart from rows
+    (else per_key = 0: the rows-only line); a fit is kept while recent steps have one row count."""
+
+    KEY_SCALE = 1e-3  # keys in thousands in the normal equations (better conditioned)
+
+    def __init__(self, decay: float = 0.97):
+        self.decay = decay
+        self.moments = np.zeros((4, 4))  # weighted sums of x x^T, x = (1, rows, keys, seconds)
+        self.fixed: float | None = None
+        self.per_row: float | None = None
+        self.per_key = 0.0  # seconds per attended key
+
+    @property
+    def fitted(self) -> bool:
+        return self.per_row is not None
+
+    def observe(self, rows: int, seconds: float, keys: int = 0) -> None:
+        x = np.array([1.0, rows, keys * self.KEY_SCALE, seconds])  # [4]
+        self.moments = self.moments * self.decay + np.outer(x, x)
+        m = self.moments
+        mean = m[0, :3] / m[0, 0]
+        cov = m[:3, :3] / m[0, 0] - np.outer(mean, mean)  # [3, 3] of (1, rows, keys)
+        if cov[1, 1] < LinearCost.MIN_SPREAD:
+            return
+        # Keys apart from rows: their covariance is not (near) singular.
+        if cov[2, 2] * cov[1, 1] - cov[1, 2] ** 2 > 1e-6 * cov[1, 1] * max(cov[2, 2], 1e-12):
+            fixed, per_row, per_key = np.linalg.solve(m[:3, :3], m[:3, 3])
+            if per_row < 0.0 <= per_key:  # deep in, a row's cost is all attention: noise
+                per_row = 0.0  # took its slope below 0; then fixed + per_key * keys alone
+                fixed, per_key = np.linalg.solve(m[np.ix_([0, 2], [0, 2])], m[[0, 2], 3])
+            if per_row >= 0.0 and per_key >= 0.0:
+                self.fixed, self.per_row = max(fixed, 0.0), per_row
+                self.per_key = per_key * self.KEY_SCALE
+                return
+        fixed, per_row = np.linalg.solve(m[:2, :2], m[:2, 3])
+        self.per_row = max(per_row, 0.0)
+        self.fixed = max((m[0, 3] - self.per_row * m[0, 1]) / m[0, 0], 0.0)
+        self.per_key = 0.0
+
+    def __call__(self, rows: int, keys: int = 0) -> float:
+        return self.fixed + self.per_row * rows + self.per_key * keys
+
+    def row(self, context: int) -> float:
+        """What one more row attending `context` tokens adds."""
+        return self.per_row + self.per_key * context
 
 
 class AdaptiveSpeculation:
@@ -124,7 +182,7 @@ class AdaptiveSpeculation:
     EXPLORE_AFTER_MAX = 256  # the wait, doubled by each rejected try, goes no further
 
     def __init__(self, uses_draft_model: bool):
-        self.target = LinearCost()  # decode steps only (see observe_target)
+        self.target = StepCost()  # decode steps only (see observe_target)
         self.draft = LinearCost() if uses_draft_model else None
         self.engine_acceptance = Acceptance()
         self.by_position: list[Acceptance] = []  # [j]: engine-wide, draft j+1 given j landed
@@ -137,11 +195,14 @@ class AdaptiveSpeculation:
     def ready(self) -> bool:
         return self.target.fitted and (self.draft is None or self.draft.fitted)
 
-    def observe_target(self, num_rows: int, has_prompt_chunk: bool, seconds: float) -> None:
-        """A step's target time (forward, sampling, verification) over its num_rows rows; a
-        step with a prompt chunk is left out (the module docstring says why)."""
+    def observe_target(
+        self, num_rows: int, has_prompt_chunk: bool, seconds: float, num_keys: int = 0
+    ) -> None:
+        """A step's target time (forward, sampling, verification) over its num_rows rows that
+        attend num_keys tokens in all; a step with a prompt chunk is left out (the module
+        docstring says why)."""
         if not has_prompt_chunk:
-            self.target.observe(num_rows, seconds)
+            self.target.observe(num_rows, seconds, num_keys)
 
     def observe_verification(self, own: Acceptance, num_drafts: int, num_accepted: int) -> None:
         if num_drafts and self._exploring:
@@ -177,11 +238,12 @@ class AdaptiveSpeculation:
         remaining: int,
         must_run: int = 0,
         num_free: int = 0,
+        context: int = 0,
     ) -> Candidate:
         """The request as the planner sees it. lag: tokens its draft model has not computed;
         remaining: most tokens it may still emit; must_run: those it surely emits; num_free:
         drafts riding ahead of the proposer's (forced, a prediction's), which the draft model
-        computes too."""
+        computes too; context: the tokens its rows attend."""
         mine = self.acceptance(own)
         reach = self._reach(mine, cap)
         usual = min(lag, cap + 1)  # after a step that drafted: its accepted drafts and bonus
@@ -190,6 +252,7 @@ class AdaptiveSpeculation:
         return Candidate(
             mine, cap, usual + spread + num_free, reach,
             num_free=num_free, remaining=remaining, must_run=must_run, offered=own.offer_rate,
+            context=context,
         )  # fmt: skip
 
     def _reach(self, mine: float, cap: int) -> list[float]:
@@ -213,10 +276,11 @@ class AdaptiveSpeculation:
     def describe(self) -> dict:
         """The planner's current view, for the snapshot."""
 
-        def fit(cost: LinearCost | None):
+        def fit(cost: LinearCost | StepCost | None):
             if cost is None or not cost.fitted:
                 return None
-            return {"fixed_seconds": cost.fixed, "seconds_per_row": cost.per_row}
+            out = {"fixed_seconds": cost.fixed, "seconds_per_row": cost.per_row}
+            return out | ({"seconds_per_key": cost.per_key} if cost is self.target else {})
 
         return {
             "ready": self.ready,
@@ -250,7 +314,8 @@ class AdaptiveSpeculation:
         the best one met on the way."""
         ks = [0] * len(candidates)
         rows = sum(1 + c.num_free for c in candidates)  # decode rows and free drafts' rows
-        tokens, seconds = float(rows), self.target(rows)
+        keys = sum((1 + c.num_free) * c.context for c in candidates)
+        tokens, seconds = float(rows), self.target(rows, keys)
         best_ks, best = list(ks), (tokens, seconds)
         for level in range(1, max(c.cap for c in candidates) + 1):
             pool = [i for i, c in enumerate(candidates) if ks[i] == level - 1 and c.cap >= level]
@@ -260,7 +325,7 @@ class AdaptiveSpeculation:
             for n, i in enumerate(pool, start=1):
                 c = candidates[i]
                 gain += c.gain(level)
-                cost += self.target.per_row
+                cost += self.target.row(c.context)
                 if self.draft is not None:
                     cost += self.draft.per_row * (c.catch_up_rows if level == 1 else 1)
                 if take is None or _faster((tokens + gain, seconds + cost), take[1:]):

@@ -177,7 +177,9 @@ class Speculation:
             lag = request.num_tokens - request.num_draft_computed
             own = self.acceptance(request)
             candidates.append(
-                self.adaptive.candidate(own, room, lag, left, must_run(request), free)
+                self.adaptive.candidate(
+                    own, room, lag, left, must_run(request), free, request.num_tokens
+                )
             )
         ks = self.adaptive.plan(candidates, closed_steps)
         for request, k in zip(requests, ks, strict=True):
@@ -247,7 +249,8 @@ class Speculation:
             # verification, and the proposer's host work (a prompt lookup's, all of it).
             target = t2 - t0 - sum(seconds for _, seconds in pass_times)
             has_chunk = any(n - k > 1 for _, n, k in sched.scheduled())
-            self.adaptive.observe_target(num_tokens, has_chunk, target)
+            keys = sum(n * r.num_tokens for r, n, _ in sched.scheduled())  # context the rows read
+            self.adaptive.observe_target(num_tokens, has_chunk, target, keys)
             for rows, seconds in pass_times:
                 self.adaptive.draft.observe(rows, seconds)
         pass_times.clear()

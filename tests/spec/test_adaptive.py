@@ -10,7 +10,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.step_budget import LinearCost
-from spec.adaptive import Acceptance, AdaptiveSpeculation, Candidate
+from spec.adaptive import Acceptance, AdaptiveSpeculation, Candidate, StepCost
 
 SMOL = "smollm2-135m-instruct"  # the exact weights where tokens are compared
 
@@ -39,6 +39,60 @@ def test_linear_cost_needs_two_row_counts_and_keeps_its_last_fit():
     for _ in range(500):  # the spread decays away: the fit stays, it is not refitted on noise
         cost.observe(8, 0.1 + 1e-4 * rng.random())
     assert (cost.fixed, cost.per_row) == pytest.approx((0.06, 0.005), rel=0.01)
+
+
+def test_step_cost_separates_rows_from_the_context_they_attend():
+    """A verified row reads its whole context (one CPU thread: ~7 ms a row at 0.8k tokens, ~20
+    ms at 3.6k). Steps at batch 1 of 1-16 rows at contexts 800-3600, timed 20 ms + 1 ms a row
+    + 5 us per attended key: the fit recovers all three; keys that never vary apart from rows
+    (one context) leave the rows-only line (per_key 0)."""
+    cost = StepCost()
+    for i in range(60):
+        context, rows = 800 + 47 * i, 1 + (7 * i) % 16
+        cost.observe(rows, 0.02 + 0.001 * rows + 5e-6 * rows * context, rows * context)
+    assert (cost.fixed, cost.per_row, cost.per_key) == pytest.approx((0.02, 0.001, 5e-6))
+    assert cost.row(3600) == pytest.approx(0.019)
+    # Deep in, rows cost attention only (20 ms + 5 us per key): a slope over rows fitted below
+    # zero by noise keeps the keys' term (a rows-only line would price a row at 3.6k tokens
+    # everywhere, and stay so while steps keep one row).
+    deep = StepCost()
+    for i in range(60):
+        context, rows = 3600 + 3 * i, 1 + (5 * i) % 8
+        noise = 0.0005 * (-1) ** i * (rows > 4)  # slower short steps, faster long ones
+        deep.observe(rows, 0.02 + 5e-6 * rows * context - noise, rows * context)
+    assert deep.per_row == 0.0 and deep.per_key == pytest.approx(5e-6, rel=0.05)
+    flat = StepCost()
+    for rows in (1, 9, 3, 27):
+        flat.observe(rows, 0.02 + 0.004 * rows, rows * 1000)
+    assert (flat.fixed, flat.per_row, flat.per_key) == pytest.approx((0.02, 0.004, 0.0))
+
+
+def test_a_row_is_priced_at_its_own_context():
+    """The agent loop's collapse (bench.agent_suffix, 2026-11-27): after deep-context steps where
+    a verified row cost ~30 ms, a rows-only line priced every row so at the next conversation's
+    start too (0.8k tokens, ~7 ms a row), drafted nothing, and with one-row steps only never
+    refitted. Priced per attended key, the same history drafts at 800 tokens and not at 3600:
+    a draft landing 40% of the time adds 0.4 token for 5 ms to a plain step's 1 for 25 ms at
+    800, for 19 ms to 1 for 39 ms at 3600 (a rows-only line: 17.5 ms at both, no drafts)."""
+    spec = AdaptiveSpeculation(uses_draft_model=False)
+    for i in range(60):
+        context, rows = 3000 + 10 * i, 1 + (7 * i) % 16
+        spec.observe_target(
+            rows, False, 0.02 + 0.001 * rows + 5e-6 * rows * context, rows * context
+        )
+    for _ in range(40):  # one-row steps deep in: nothing to refit from, the fit is kept
+        spec.observe_target(1, False, 0.02 + 0.001 + 5e-6 * 3600, 3600)
+    c = Candidate(0.4, 8)
+    shallow, deep = (
+        Candidate(**{**vars_of(c), "context": 800}),
+        Candidate(**{**vars_of(c), "context": 3600}),
+    )
+    assert spec.plan([shallow]) == [1]
+    assert spec.plan([deep]) == [0]
+
+
+def vars_of(c: Candidate) -> dict:
+    return {f: getattr(c, f) for f in c.__dataclass_fields__}
 
 
 def test_acceptance_estimate_tracks_a_geometric_process():
