@@ -1,7 +1,7 @@
 """GGUF quantized blocks -> QuantizedWeight (engine/models/quantized.py), without a float detour
 where the block's codes fit.
 
-Each decoder reads a tensor's raw rows ([N, bytes per row] uint8, as gguf.GGUFReader maps them)
+Each decoder reads a tensor's raw rows ([N, bytes per row] uint8, as the GGUF loader maps them)
 and returns the block's own integer codes and scales, exactly: Q4_0, Q4_1, Q4_K (4-bit codes),
 Q5_0, Q5_1, Q5_K (5-bit), Q6_K (6-bit) and Q8_0 (8-bit), w = scale q + offset per 32 values
 (Q6_K: w = s (q - 32) per 16). The K-quants keep their file's float16 d (and dmin) per 256

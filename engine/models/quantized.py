@@ -367,10 +367,12 @@ def _pack_tandem(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, t
     nibbles of 4 chunks, chunk c + 4 in the high ones; 5- and 6-bit codes: their low 4 bits so,
     then a 64-byte plane per higher bit, chunk c's byte b at bit b of the plane's word c).
     Returns codes [T, G, unit bytes] and scales and offsets: [T, G, TILE] float16 where every
-    value is exact in it, else float32; a K-quant's in its file's form, uint8 [T, K / 256, B]:
-    per tile and super-block the 16 rows' float16 d (Q4_K, Q5_K: -dmin for the offsets), then
-    its sub-blocks' 16 bytes each, 6-bit scales (mins) or Q6_K's 16 int8 scales (B = 160 or
-    288; Q6_K's offsets are -32 s, not stored: the same tensor is passed twice)."""
+    value is exact in it, else float32 (offsets of -2^(bits - 1) d, a centered Q4_0, Q5_0 or
+    Q8_0: the scales passed twice, the kernel forms them); a K-quant's in its file's form,
+    uint8 [T, K / 256, B]: per tile and super-block the 16 rows' float16 d (Q4_K, Q5_K: -dmin
+    for the offsets), then its sub-blocks' 16 bytes each, 6-bit scales (mins) or Q6_K's 16
+    int8 scales (B = 160 or 288; Q6_K's offsets are -32 s, not stored: the same tensor is
+    passed twice)."""
     assert weight.group == GROUP or weight.blocks is not None, "Q6_K keeps its super-blocks"
     n, k = weight.codes.shape
     tiles, groups = -(-n // TILE), k // GROUP
@@ -406,7 +408,9 @@ def _pack_tandem(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, t
         return packed, scales, offsets
     params = [by_tile(weight.scales), by_tile(weight.offsets)]
     if all(torch.equal(p.half().float(), p) for p in params):  # the file's own float16
-        params = [p.half() for p in params]
+        params = [p.half().contiguous() for p in params]
+        if torch.equal(weight.offsets, -(2 ** (weight.bits - 1)) * weight.scales):
+            return packed, params[0], params[0]  # centered (Q4_0, Q5_0, Q8_0): m from d
     return packed, params[0].contiguous(), params[1].contiguous()
 
 

@@ -23,6 +23,11 @@ constexpr int64_t unit_bytes(int64_t bits) { return bits == 8 ? 512 : 256 + 64 *
 
 struct Super {};  // the parameter types of Params::kSuper and kQ6 (bytes read as they lie)
 struct Q6 {};
+struct Centered {};  // Params::kCentered: float16 d; m = center(bits) d is formed, not stored
+
+// A centered type's offset per unit of scale (Q4_0, Q5_0, Q8_0: w = d (q - 2^(bits - 1))):
+// a power of two, so m = center(bits) d is exact in float32, the value the file's m is.
+constexpr float center(int bits) { return -static_cast<float>(1 << (bits - 1)); }
 
 // Bytes of one tile's scales (or offsets), all its groups.
 template <typename S>
@@ -31,6 +36,8 @@ constexpr int64_t tile_param_bytes(int64_t groups) {
     return groups / kSuperGroups * kSuperBytes;
   } else if constexpr (std::is_same_v<S, Q6>) {
     return groups / kSuperGroups * kQ6Bytes;
+  } else if constexpr (std::is_same_v<S, Centered>) {
+    return groups * kTile * 2;
   } else {
     return groups * kTile * static_cast<int64_t>(sizeof(S));
   }
@@ -38,7 +45,7 @@ constexpr int64_t tile_param_bytes(int64_t groups) {
 
 #if TANDEM_HAVE_KERNEL
 // Group g's 16 (or 8, from row 8 half) scales or offsets as float32, from a tile's parameters
-// p in float32, float16 or super-blocks (exact every way).
+// p in float32, float16 or super-blocks (exact every way); Centered: its float16 d.
 #if TANDEM_AVX512
 template <typename S>
 inline __m512 params16(const uint8_t* p, int64_t g) {
@@ -48,7 +55,7 @@ inline __m512 params16(const uint8_t* p, int64_t g) {
     const __m128i sub = _mm_loadu_si128(
         reinterpret_cast<const __m128i*>(block + 2 * kTile + g % kSuperGroups * kTile));
     return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sub)));
-  } else if constexpr (sizeof(S) == 2) {
+  } else if constexpr (sizeof(S) == 2 || std::is_same_v<S, Centered>) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2 * kTile * g)));
   } else {
     return _mm512_loadu_ps(reinterpret_cast<const float*>(p) + kTile * g);
@@ -63,7 +70,7 @@ inline __m256 params8(const uint8_t* p, int64_t g, int half) {
     const __m128i sub = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(
         block + 2 * kTile + g % kSuperGroups * kTile + 8 * half));
     return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sub)));
-  } else if constexpr (sizeof(S) == 2) {
+  } else if constexpr (sizeof(S) == 2 || std::is_same_v<S, Centered>) {
     return _mm256_cvtph_ps(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * (kTile * g + 8 * half))));
   } else {

@@ -27,8 +27,9 @@
 // 64-byte plane per higher bit, eight 64-bit words, word c's bit b belonging to chunk c's byte
 // b (the codes are the same integers however they are stored, so D is too). d, m: see Params
 // (quant_matmul.h): float32 or float16 tables (float16 where every value is exact in it: the
-// file's own for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), or a K-quant's super-blocks as its file holds
-// them, float16 d per 256 inputs and 6-bit (Q6_K: int8) sub-scales, the kernel forming
+// file's own for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; the centered Q4_0, Q5_0 and Q8_0, whose m is
+// -2^(bits - 1) d, hold d alone and m is formed from it), or a K-quant's super-blocks as its
+// file holds them, float16 d per 256 inputs and 6-bit (Q6_K: int8) sub-scales, the kernel forming
 // float(d) * float(sub-scale) as it reads them, a product exact in float32. Every form gives
 // the same float32 d and m that a float32 table of them would, so the choice never changes a
 // result. 256-bit paths take a tile as two halves of 8 rows (the first 32 bytes of each chunk,
@@ -174,7 +175,10 @@ inline void tile(const uint8_t* w, const uint8_t* d, const uint8_t* m, const Act
       }
       continue;
     }
-    const __m512 dg = params16<S>(d, g), mg = params16<S>(m, g);
+    const __m512 dg = params16<S>(d, g);
+    const __m512 mg = std::is_same_v<S, Centered>
+                          ? _mm512_mul_ps(dg, _mm512_set1_ps(center(BITS)))
+                          : params16<S>(m, g);
 #pragma GCC unroll 16
     for (int t = 0; t < MT; ++t) {
       const int64_t r = first + t;
@@ -262,7 +266,10 @@ inline void tile(const uint8_t* w, const uint8_t* d, const uint8_t* m, const Act
         }
         continue;
       }
-      const __m256 dg = params8<S>(d, g, half), mg = params8<S>(m, g, half);
+      const __m256 dg = params8<S>(d, g, half);
+      const __m256 mg = std::is_same_v<S, Centered>
+                            ? _mm256_mul_ps(dg, _mm256_set1_ps(center(BITS)))
+                            : params8<S>(m, g, half);
       for (int t = 0; t < MT; ++t) {
         const int64_t r = first + t;
         const int8_t* p = a.p + r * a.kp + g * G;
@@ -383,8 +390,11 @@ QuantizedMatrix matrix(const at::Tensor& codes, const at::Tensor& d, const at::T
                 "tandem_cpu: bias must be contiguous float32 [N]");
     b = bias->data_ptr<float>();
   }
-  const Params params = q6       ? Params::kQ6
-                        : blocks ? Params::kSuper
+  // float16 d passed as m too: a centered type's, m = center(bits) d (Params::kCentered)
+  const bool centered = type == at::kHalf && m.data_ptr() == d.data_ptr();
+  const Params params = q6         ? Params::kQ6
+                        : blocks   ? Params::kSuper
+                        : centered ? Params::kCentered
                         : type == at::kHalf ? Params::kHalf
                                             : Params::kFloat;
   return {codes.data_ptr<uint8_t>(), d.data_ptr(), m.data_ptr(), b, rows, groups * G,
@@ -422,6 +432,7 @@ void linear(const QuantizedMatrix& w, const float* x, int64_t num_rows, int64_t 
   switch (w.params) {
     case Params::kFloat: matmul_bits<float>(w, a, num_rows, y, ldy); break;
     case Params::kHalf: matmul_bits<uint16_t>(w, a, num_rows, y, ldy); break;
+    case Params::kCentered: matmul_bits<Centered>(w, a, num_rows, y, ldy); break;
     case Params::kSuper: matmul_bits<Super>(w, a, num_rows, y, ldy); break;
     case Params::kQ6: matmul<6, Q6>(w, a, num_rows, y, ldy); break;
   }
@@ -477,8 +488,9 @@ at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& d, const a
                                    : static_cast<float>(byte));
     }
     const int64_t at = (tile * groups + g) * kTile + lane;
-    return w.params == Params::kHalf ? _cvtsh_ss(static_cast<const uint16_t*>(p)[at])
-                                     : static_cast<const float*>(p)[at];
+    const bool half = w.params == Params::kHalf || w.params == Params::kCentered;
+    return half ? _cvtsh_ss(static_cast<const uint16_t*>(p)[at])
+                : static_cast<const float*>(p)[at];
   };
   at::parallel_for(0, index.numel(), 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
@@ -492,7 +504,9 @@ at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& d, const a
             q |= ((u[256 + 64 * (bit - 4) + 8 * c + b / 8] >> (b % 8)) & 1) << bit;
           }
           const float scale = param(w.d, tile, g, lane, i);
-          const float offset = w.params == Params::kQ6 ? -32.0f * scale : param(w.m, tile, g, lane, i);
+          const float offset = w.params == Params::kQ6         ? -32.0f * scale
+                               : w.params == Params::kCentered ? center(bits) * scale
+                                                               : param(w.m, tile, g, lane, i);
           o[r * k + g * G + i] = static_cast<float>(q) * scale + offset;
         }
       }

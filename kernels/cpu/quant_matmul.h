@@ -12,6 +12,7 @@ namespace tandem {
 enum class Params : int {
   kFloat,  // [rows / 16, kp / 32, 16] float32
   kHalf,   // the same, float16
+  kCentered,  // float16 d as kHalf; m = -2^(bits - 1) d (Q4_0, Q5_0, Q8_0) formed, not stored
   kSuper,  // K-quants: [rows / 16, kp / 256, 160] uint8, per tile and super-block the 16 rows'
            // float16 d (or -dmin), then 8 groups x 16 rows of 6-bit sub-scales (or mins)
   kQ6,     // Q6_K: [rows / 16, kp / 256, 288] uint8, the 16 rows' float16 d, then 16 sub-blocks

@@ -154,6 +154,12 @@ d6 = (torch.rand(40, 2, generator=g) / 50).half()
 sc6 = torch.randint(-128, 128, (40, 32), generator=g).to(torch.int8)  # Q6_K: a scale per 16
 codes = torch.randint(0, 64, (40, 512), generator=g, dtype=torch.uint8)
 weights.append(QuantizedWeight.from_super_blocks(codes, SuperBlocks(d6, sc6, None, None), 6))
+for bits in (4, 5, 8):  # centered (Q4_0, Q5_0, Q8_0): float16 d alone, m = -2^(bits - 1) d
+    d = (torch.rand(40, 16, generator=g) / 50).half().float()
+    codes = torch.randint(0, 2**bits, (40, 512), generator=g, dtype=torch.uint8)
+    weights.append(QuantizedWeight.from_codes(codes, d, -(2 ** (bits - 1)) * d, bits))
+    held = QuantizedLinear(weights[-1], None, backend="tandem")
+    assert held.offsets is held.scales
 for weight in weights:
     layer = QuantizedLinear(weight, None, backend="tandem")
     for rows in (1, 5, 16, 33):
@@ -259,6 +265,38 @@ def test_gguf_weights_equal_transformers_dequantized_checkpoint():
         assert model.embed_tokens.format.tiles[0] is model.lm_head.format.codes
     embed = GGUFWeights(gguf_file(path)).quantized("token_embd.weight")
     assert torch.equal(model.embed_tokens(rows), embed.dequantize()[rows])
+
+
+def held_bytes(model) -> int:
+    """Bytes of every tensor storage the model's modules hold, each storage counted once."""
+    storages = {}
+
+    def visit(value) -> None:
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(value, (tuple, list, dict)):
+            for item in value.values() if isinstance(value, dict) else value:
+                visit(item)
+
+    for module in model.modules():
+        visit(vars(module))
+    return sum(storages.values())
+
+
+@pytest.mark.skipif(not tandem_kernel_available(), reason="no C++ kernel")
+def test_smollm2_holds_its_files_bytes():
+    """On the C++ kernel SmolLM2 holds exactly its GGUF's tensor bytes: the Q4_1 projections
+    as 4-bit codes with their float16 d and m, the Q8_0 embedding and tied LM head once, as
+    byte codes with their float16 d (m = -128 d formed by the kernel), the norms in float32;
+    beside them only RoPE's inverse frequencies (head_dim / 2 floats)."""
+    from engine.models.gguf_loader import read_tensors
+    from engine.models.loader import gguf_file, load_model
+
+    path = _smollm2_dir()
+    model, cfg, _ = load_model(path, quantization="gguf")
+    file_bytes = sum(t.data.nbytes for t in read_tensors(gguf_file(path)).values())
+    assert held_bytes(model) == file_bytes + cfg.head_dim // 2 * 4
 
 
 @pytest.fixture(scope="module")

@@ -103,7 +103,8 @@ def test_file_formats_are_held_in_their_own_bits_with_the_references_results(qty
     """Each GGUF type in the tandem kernel's memory at its own width: 4-bit codes two to a
     byte, 5- and 6-bit as those plus a plane per higher bit, 8-bit one to a byte; K-quant
     scales as the file's float16 d (and dmin) per 256 inputs with their sub-scales (and mins)
-    as bytes. Results are the reference's bits, rows and token embeddings alike; for the
+    as bytes; Q4_0, Q5_0 and Q8_0 hold their float16 d alone (m = -2^(bits - 1) d, the kernel
+    forms it). Results are the reference's bits, rows and token embeddings alike; for the
     affine types also the bits of the same weight held the wide way (8-bit codes, float32
     scales and offsets)."""
     rows, cols = 40, 512  # 40: a partial tile
@@ -114,8 +115,9 @@ def test_file_formats_are_held_in_their_own_bits_with_the_references_results(qty
     if qtype.name.endswith("_K"):  # per tile and 256 inputs: 16 float16, then sub-scales
         assert layer.scales.dtype == layer.offsets.dtype == torch.uint8
         assert layer.scales.shape == (3, cols // 256, 288 if qtype == T.Q6_K else 160)
-    else:  # the file's float16
+    else:  # the file's float16; a centered type's offsets (-2^(bits - 1) d) formed, not held
         assert layer.scales.dtype == torch.float16 and layer.scales.shape == (3, groups, 16)
+        assert (layer.offsets is layer.scales) == (qtype in (T.Q4_0, T.Q5_0, T.Q8_0))
     wide = None
     if weight.group == GROUP:
         wide_weight = QuantizedWeight(weight.codes, weight.scales, weight.offsets, 8)
