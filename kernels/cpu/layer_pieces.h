@@ -6,7 +6,6 @@
 // row alone.
 #pragma once
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
@@ -79,19 +78,8 @@ void silu_mul(const float* gate, const float* up, float* out, int64_t n) {  // n
 #endif
 
 #if TANDEM_HAVE_KERNEL
-// f(b) for rows b in [0, rows), split among the threads when there are many (a prompt chunk),
-// inline when few (decode). Each row's steps read and write that row alone, so which thread
-// runs it never changes its bits.
-template <class F>
-void each_row(int64_t rows, F&& f) {
-  constexpr int64_t kRowGrain = 32;
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t r0, int64_t r1) {
-    for (int64_t b = r0; b < r1; ++b) f(b);
-  });
-}
-
 void norm_rows(const float* x, const float* w, float eps, int64_t rows, int64_t n, float* out) {
-  each_row(rows, [&](int64_t b) { rms_norm(x + b * n, w, eps, n, out + b * n); });
+  for (int64_t b = 0; b < rows; ++b) rms_norm(x + b * n, w, eps, n, out + b * n);
 }
 
 // What each q and k head goes through before the store: an RMSNorm (Qwen3, Gemma 3), RoPE.
@@ -108,7 +96,7 @@ template <class KV>
 void rope_store_rows(float* qkv, const float* cs, const float* sn, const Heads& hd,
                      const Rows& rows, const KV& kc, const KV& vc, const HeadPrep& prep) {
   const int64_t d = hd.head_dim;
-  each_row(rows.count, [&](int64_t b) {  // (rows of a step never share a slot)
+  for (int64_t b = 0; b < rows.count; ++b) {
     float* row = qkv + b * hd.cols();
     for (int64_t head = 0; head < hd.num_heads + hd.num_kv_heads; ++head) {
       float* x = row + head * d;
@@ -121,14 +109,13 @@ void rope_store_rows(float* qkv, const float* cs, const float* sn, const Heads& 
       const float* k = row + hd.q_size() + g * d;
       store_kv(kc, vc, g, block, offset, k, k + hd.kv_size(), d);
     }
-  });
+  }
 }
 
 template <void (*ACT)(const float*, const float*, float*, int64_t)>
 void act_mul_rows(const float* gu, int64_t rows, int64_t inter, float* act) {
-  each_row(rows, [&](int64_t b) {
-    ACT(gu + b * 2 * inter, gu + b * 2 * inter + inter, act + b * inter, inter);
-  });
+  for (int64_t b = 0; b < rows; ++b) ACT(gu + b * 2 * inter, gu + b * 2 * inter + inter,
+                                         act + b * inter, inter);
 }
 #endif
 
@@ -144,11 +131,8 @@ struct LayerExtras {
 // x += out, or x += rms_norm(out) post, row by row (out [rows, n] normed in place): the bits
 // of the Python pieces' `x + post_norm(out)`, one float add per element either way.
 void add_rows(float* x, float* out, const float* post, float eps, int64_t rows, int64_t n) {
-  each_row(rows, [&](int64_t b) {
-    float* o = out + b * n;
-    if (post != nullptr) rms_norm(o, post, eps, n, o);  // (rms_norm reads, then writes)
-    for (int64_t i = 0; i < n; ++i) x[b * n + i] += o[i];
-  });
+  if (post != nullptr) norm_rows(out, post, eps, rows, n, out);  // (rms_norm reads, then writes)
+  for (int64_t i = 0; i < rows * n; ++i) x[i] += out[i];
 }
 
 void gated_act_rows(const float* gu, int64_t rows, int64_t inter, float* act, bool gelu) {
