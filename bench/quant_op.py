@@ -1,7 +1,8 @@
-"""The tandem kernel's quantized linear op alone, at Qwen2.5-Coder-1.5B's shapes: random GGUF
-blocks of a type (Q6_K8: Q6_K requantized to 8 bits, the form a mixed fused projection takes)
-against M activation rows, 1 thread, CPU time of the calling thread (robust to other processes
-taking the core, not to their cache traffic), the shapes and row counts alternated each round.
+"""The tandem kernel's quantized linear op alone, at Qwen2.5-Coder-1.5B's shapes (smol_*:
+SmolLM2-135M's): random GGUF blocks of a type (Q6_K8: Q6_K requantized to 8 bits, the form a
+mixed fused projection takes) against M activation rows, 1 thread, CPU time of the calling
+thread (robust to other processes taking the core, not to their cache traffic), the shapes and
+row counts alternated each round.
 
     python -m bench.quant_op [--cases down:Q6_K,down:Q4_K] [--rows 16,64,512] [--rounds 5]
     cd OTHER_CHECKOUT && python /path/to/bench/quant_op.py ...   # the same op on another tree
@@ -26,6 +27,10 @@ SHAPES = {  # out_features, in_features
     "o": (1536, 1536),
     "gate_up": (17920, 1536),
     "down": (1536, 8960),
+    "smol_qkv": (960, 576),  # SmolLM2-135M's (its GGUF: Q4_1)
+    "smol_o": (576, 576),
+    "smol_gate_up": (3072, 576),
+    "smol_down": (576, 1536),
 }
 
 

@@ -2,7 +2,8 @@
 // heads over its own context, read in place from the cache's blocks. A score is one chain of
 // fmas over the head dimension in order and an output element one chain over the keys in
 // order, so a row's bits depend on its own context only (never on the other rows of a call,
-// nor on how many heads or keys share a load), on every instruction set.
+// nor on how many heads or keys share a load), on every instruction set: AVX-512 builds load
+// 16 keys (or dimensions) at a time where blocks hold a multiple of 16 tokens, the same chains.
 //
 // Cache layout (kernels/reference.py): [Hkv, num_blocks, block_size, D] for K and V; a slot is
 // block * block_size + offset; block tables are padded with the null block 0. The elements are
@@ -18,6 +19,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "kv_int8.h"
@@ -276,6 +278,125 @@ void sum_values_any(const float* p, int64_t d, const Cache<T>& vc, int64_t g, co
   for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), vinv));
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define TANDEM_WIDE_ATTENTION 1
+// The same steps at 16 lanes (float32 and bfloat16 caches, AVX-512): a lane is still one key
+// (scores) or one dimension (value sums), and each chain of fmas runs over the same operands
+// in the same order, so every score and output element has the bits of the 8-lane code above.
+
+// Sixteen elements at p as float32 (bfloat16: its bits in the upper half, exact).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const BF16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// RUNS runs of 16 keys, run v's key t element i at keys[v][i * bs + t] (a slab's columns),
+// scored against HEADS heads: head r's scaled score of key t goes to scores[r * stride + at +
+// 16 v + t] for the keys of [0, n) (the row's context; at may be negative: the first run may
+// start before it). HEADS x RUNS chains hide the fma latency; each score is one chain over i
+// in order, as score_block's.
+template <int HEADS, int RUNS, class T>
+inline void score_runs(const float* q, int64_t d, const T* const* keys, int64_t bs,
+                       __m512 vscale, float* scores, int64_t stride, int64_t at, int64_t n) {
+  __m512 acc[HEADS][RUNS];
+  for (int r = 0; r < HEADS; ++r) {
+    for (int v = 0; v < RUNS; ++v) acc[r][v] = _mm512_setzero_ps();
+  }
+  for (int64_t i = 0; i < d; ++i) {
+    __m512 k[RUNS];
+    for (int v = 0; v < RUNS; ++v) k[v] = load16(keys[v] + i * bs);
+    for (int r = 0; r < HEADS; ++r) {
+      const __m512 qi = _mm512_set1_ps(q[r * d + i]);
+      for (int v = 0; v < RUNS; ++v) acc[r][v] = _mm512_fmadd_ps(qi, k[v], acc[r][v]);
+    }
+  }
+  for (int v = 0; v < RUNS; ++v) {
+    const int64_t first = at + 16 * v;  // the run's first key, as a score index
+    const int64_t lo = std::max<int64_t>(0, -first), hi = std::min<int64_t>(16, n - first);
+    const auto mask = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
+    for (int r = 0; r < HEADS; ++r) {
+      const __m512 out = _mm512_mul_ps(acc[r][v], vscale);
+      float* row = scores + r * stride;
+      if (lo == 0 && hi == 16) {
+        _mm512_storeu_ps(row + first, out);
+      } else {  // the run's keys inside [0, n), packed to the front: stored from first + lo
+        _mm512_mask_compressstoreu_ps(row + first + lo, mask, out);
+      }
+    }
+  }
+}
+
+// score_keys for a block size that is a multiple of 16: runs of 16 keys never straddle a
+// block, so every load is whole (keys past the context are scored and dropped, as there).
+template <int HEADS, class T>
+void score_keys16(const float* q, int64_t d, const Cache<T>& kc, int64_t g, const int64_t* table,
+                  int64_t first, int64_t n, float scale, float* scores, int64_t stride) {
+  constexpr int kRuns = 3;  // HEADS <= 8: 24 accumulators, 3 keys, a query (32 registers)
+  const int64_t bs = kc.block_size, end = first + n;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t start = first - first % 16; start < end;) {
+    const int runs = static_cast<int>(std::min<int64_t>(kRuns, (end - start + 15) / 16));
+    const T* keys[kRuns];
+    for (int v = 0; v < runs; ++v) {
+      const int64_t at = start + 16 * v;
+      keys[v] = key_slab(kc, g, table[at / bs]) + at % bs;
+    }
+    const int64_t at = start - first;
+    switch (runs) {
+      case 3: score_runs<HEADS, 3>(q, d, keys, bs, vscale, scores, stride, at, n); break;
+      case 2: score_runs<HEADS, 2>(q, d, keys, bs, vscale, scores, stride, at, n); break;
+      default: score_runs<HEADS, 1>(q, d, keys, bs, vscale, scores, stride, at, n); break;
+    }
+    start += 16 * runs;
+  }
+}
+
+// sum_values at 16 lanes: ZMMS = D / 16 vectors a head.
+template <int ZMMS, int HEADS, class T>
+void sum_values16(const float* p, int64_t d, const Cache<T>& vc, int64_t g, const int64_t* table,
+                  int64_t first, int64_t n, const float* inv, float* o) {
+  const int64_t bs = vc.block_size, end = first + n;
+  __m512 acc[HEADS][ZMMS];
+  for (int r = 0; r < HEADS; ++r) {
+    for (int c = 0; c < ZMMS; ++c) acc[r][c] = _mm512_setzero_ps();
+  }
+  for (int64_t start = first - first % bs; start < end; start += bs) {  // one block
+    const T* block = vc.at(g, table[start / bs], 0);
+    const int64_t lo = std::max(start, first), hi = std::min(start + bs, end);
+    for (int64_t pos = lo; pos < hi; ++pos) {
+      const T* v = block + (pos - start) * vc.slot_stride;
+      __m512 w[HEADS];
+      for (int r = 0; r < HEADS; ++r) w[r] = _mm512_set1_ps(p[r * n + pos - first]);
+      for (int c = 0; c < ZMMS; ++c) {
+        const __m512 v16 = load16(v + 16 * c);
+        for (int r = 0; r < HEADS; ++r) acc[r][c] = _mm512_fmadd_ps(w[r], v16, acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < HEADS; ++r) {
+    const __m512 vinv = _mm512_set1_ps(inv[r]);
+    for (int c = 0; c < ZMMS; ++c) {
+      _mm512_storeu_ps(o + r * d + 16 * c, _mm512_mul_ps(acc[r][c], vinv));
+    }
+  }
+}
+
+// A group's value sums at 16 lanes, three heads a pass (D = 64 or 128: up to 24 accumulators).
+template <int ZMMS, class T>
+void sum_group16(const float* p, int64_t d, const Cache<T>& vc, int64_t g, const int64_t* table,
+                 int64_t first, int64_t n, const float* inv, float* o, int64_t group) {
+  for (int64_t r = 0; r < group; r += 3) {
+    const float* pr = p + r * n;
+    switch (std::min<int64_t>(3, group - r)) {
+      case 3: sum_values16<ZMMS, 3>(pr, d, vc, g, table, first, n, inv + r, o + r * d); break;
+      case 2: sum_values16<ZMMS, 2>(pr, d, vc, g, table, first, n, inv + r, o + r * d); break;
+      default: sum_values16<ZMMS, 1>(pr, d, vc, g, table, first, n, inv + r, o + r * d); break;
+    }
+  }
+}
+#endif
+
 // Heads whose scores (values) share each load of the keys (values): as many as keep the
 // accumulators in registers (32 vector registers with AVX-512VL, 16 without).
 #if defined(__AVX512VL__)
@@ -303,6 +424,12 @@ void sum_heads(const float* p, int64_t d, const KV& vc, int64_t g, const int64_t
 template <class KV>
 void sum_group(const float* p, int64_t d, const KV& vc, int64_t g, const int64_t* table,
                int64_t first, int64_t n, const float* inv, float* o, int64_t group) {
+#if TANDEM_WIDE_ATTENTION
+  if constexpr (!std::is_same_v<KV, Int8Cache>) {
+    if (d == 64) return sum_group16<4>(p, d, vc, g, table, first, n, inv, o, group);
+    if (d == 128) return sum_group16<8>(p, d, vc, g, table, first, n, inv, o, group);
+  }
+#endif
   const int64_t per = d == 64 ? kValueHeads64 : d == 128 ? kValueHeads128 : 1;
   for (int64_t r = 0; r < group; r += per) {
     const int64_t count = std::min(per, group - r);
@@ -317,6 +444,20 @@ void sum_group(const float* p, int64_t d, const KV& vc, int64_t g, const int64_t
         }
     }
   }
+}
+
+// score_keys, at 16 lanes where the cache allows.
+template <int HEADS, class KV>
+void score_heads(const float* q, int64_t d, const KV& kc, int64_t g, const int64_t* table,
+                 int64_t first, int64_t n, float scale, float* scores, int64_t stride) {
+#if TANDEM_WIDE_ATTENTION
+  if constexpr (!std::is_same_v<KV, Int8Cache>) {
+    if (kc.block_size % 16 == 0) {
+      return score_keys16<HEADS>(q, d, kc, g, table, first, n, scale, scores, stride);
+    }
+  }
+#endif
+  score_keys<HEADS>(q, d, kc, g, table, first, n, scale, scores, stride);
 }
 
 // attn [rows, q_size]: each row's query heads over its own context, one (row, kv head) at a
@@ -347,15 +488,15 @@ void attend_rows(const float* qkv, const Heads& hd, const Rows& rows, const KV& 
         const float* qr = q + r * d;
         switch (heads) {
 #if defined(__AVX512VL__)
-          case 8: score_keys<8>(qr, d, kc, g, table, first, n, scale, s, n); break;
-          case 7: score_keys<7>(qr, d, kc, g, table, first, n, scale, s, n); break;
-          case 6: score_keys<6>(qr, d, kc, g, table, first, n, scale, s, n); break;
-          case 5: score_keys<5>(qr, d, kc, g, table, first, n, scale, s, n); break;
+          case 8: score_heads<8>(qr, d, kc, g, table, first, n, scale, s, n); break;
+          case 7: score_heads<7>(qr, d, kc, g, table, first, n, scale, s, n); break;
+          case 6: score_heads<6>(qr, d, kc, g, table, first, n, scale, s, n); break;
+          case 5: score_heads<5>(qr, d, kc, g, table, first, n, scale, s, n); break;
 #endif
-          case 4: score_keys<4>(qr, d, kc, g, table, first, n, scale, s, n); break;
-          case 3: score_keys<3>(qr, d, kc, g, table, first, n, scale, s, n); break;
-          case 2: score_keys<2>(qr, d, kc, g, table, first, n, scale, s, n); break;
-          default: score_keys<1>(qr, d, kc, g, table, first, n, scale, s, n); break;
+          case 4: score_heads<4>(qr, d, kc, g, table, first, n, scale, s, n); break;
+          case 3: score_heads<3>(qr, d, kc, g, table, first, n, scale, s, n); break;
+          case 2: score_heads<2>(qr, d, kc, g, table, first, n, scale, s, n); break;
+          default: score_heads<1>(qr, d, kc, g, table, first, n, scale, s, n); break;
         }
         r += heads;
       }

@@ -108,6 +108,25 @@ def test_attend_equals_softmax_attention_and_each_row_stands_alone(block_size, h
         assert torch.equal(part, got[rows]), rows
 
 
+@pytest.mark.parametrize("heads", [(9, 3, 64), (14, 2, 64), (12, 1, 128), (4, 4, 16)])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 7])
+def test_attend_bits_do_not_depend_on_the_block_size(heads, kv_dtype, window):
+    """The same requests in caches of 8-, 12-, 16- and 32-token blocks give the same bits:
+    each score is one chain over the head dimension and each output element one over the
+    keys, whether a load holds 8 keys (the 256-bit path, any block size) or 16 (AVX-512,
+    blocks of a multiple of 16; SmolLM2's 9 x 3 x 64 among the shapes), windowed or not."""
+    lens = [1, 19, 45, 70]
+    got = {}
+    for block_size in (8, 12, 16, 32):
+        qkv, caches, tables, row_tables, seq_lens = requests_in_cache(heads, block_size, lens)
+        caches = tuple(c.to(kv_dtype) for c in caches)
+        scale = heads[2] ** -0.5
+        got[block_size] = attend(qkv, caches, tables, row_tables, seq_lens, heads, scale, window)
+    for block_size in (12, 16, 32):
+        assert torch.equal(got[block_size], got[8]), block_size
+
+
 def test_partial_rotary_rotates_the_first_dims_as_hf_and_passes_the_rest():
     """Phi-4-mini's partial rotary (24 of 32 dims here): rope_store and the torch path both
     equal HF's apply_rotary_pos_emb; the broken variant (rotating all 32) does not."""
