@@ -23,8 +23,8 @@
 #include <string_view>
 #include <vector>
 
+#include "attend_rows.h"
 #include "layer_pieces.h"
-#include "paged_attention.h"
 #include "simd.h"
 
 namespace tandem {

@@ -28,9 +28,9 @@
 #include <algorithm>
 #include <vector>
 
+#include "attend_rows.h"
 #include "kv_int8.h"
 #include "layer_pieces.h"
-#include "paged_attention.h"
 #include "quant_matmul.h"
 #include "simd.h"
 

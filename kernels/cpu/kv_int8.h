@@ -149,41 +149,39 @@ void score_keys(const float* q, int64_t d, const Int8Cache& kc, int64_t g, const
   }
 }
 
-// As sum_values over a float cache, over the rows as stored: o_r[i] = (sum_t p_r[t] (code_t[i]
-// s_t(i))) inv_r for heads r < HEADS (p_r = p + r * n, o_r = o + r * d), in key order (s_t(i):
+// As sum_values over a float cache, over the rows as stored: o_r[i] += sum_t p_r[t] (code_t[i]
+// s_t(i)) for heads r < HEADS (p_r = p + r * stride, o_r = o + r * d), in key order (s_t(i):
 // the scale of the group of slot t's value that holds i): each row's eight codes widened and
-// scaled once for the HEADS heads sharing it, each element one chain of fmas, as the float
-// cache's sum over the dequantized rows.
+// scaled once for the HEADS heads sharing it, each element one chain of fmas carried in o, as
+// the float cache's sum over the dequantized rows.
 template <int CHUNKS, int HEADS>  // CHUNKS = D / 8
-void sum_values(const float* p, int64_t d, const Int8Cache& vc, int64_t g, const int64_t* table,
-                int64_t first, int64_t n, const float* inv, float* o) {
+void sum_values(const float* p, int64_t stride, int64_t d, const Int8Cache& vc, int64_t g,
+                const int64_t* table, int64_t first, int64_t n, float* o) {
   const int64_t bs = vc.block_size, group = vc.group;
   __m256 acc[HEADS][CHUNKS];
   for (int r = 0; r < HEADS; ++r) {
-    for (int c = 0; c < CHUNKS; ++c) acc[r][c] = _mm256_setzero_ps();
+    for (int c = 0; c < CHUNKS; ++c) acc[r][c] = _mm256_loadu_ps(o + r * d + 8 * c);
   }
   for (int64_t t = 0; t < n; ++t) {
     const int64_t pos = first + t, block = table[pos / bs], off = pos % bs;
     const int8_t* v = vc.codes(g, block) + off * d;
     const float* s = vc.scales(g, block) + off;  // group j's at s[j * bs]
     __m256 w[HEADS];
-    for (int r = 0; r < HEADS; ++r) w[r] = _mm256_set1_ps(p[r * n + t]);
+    for (int r = 0; r < HEADS; ++r) w[r] = _mm256_set1_ps(p[r * stride + t]);
     for (int c = 0; c < CHUNKS; ++c) {
       const __m256 x = _mm256_mul_ps(load_codes(v + 8 * c, 8), _mm256_set1_ps(s[(8 * c / group) * bs]));
       for (int r = 0; r < HEADS; ++r) acc[r][c] = _mm256_fmadd_ps(w[r], x, acc[r][c]);
     }
   }
   for (int r = 0; r < HEADS; ++r) {
-    const __m256 vinv = _mm256_set1_ps(inv[r]);
-    for (int c = 0; c < CHUNKS; ++c) _mm256_storeu_ps(o + r * d + 8 * c, _mm256_mul_ps(acc[r][c], vinv));
+    for (int c = 0; c < CHUNKS; ++c) _mm256_storeu_ps(o + r * d + 8 * c, acc[r][c]);
   }
 }
 
 // The same sum for any D (a multiple of 8), one head.
 inline void sum_values_any(const float* p, int64_t d, const Int8Cache& vc, int64_t g,
-                           const int64_t* table, int64_t first, int64_t n, float inv, float* o) {
+                           const int64_t* table, int64_t first, int64_t n, float* o) {
   const int64_t bs = vc.block_size;
-  std::fill_n(o, d, 0.0f);
   for (int64_t t = 0; t < n; ++t) {
     const int64_t pos = first + t, block = table[pos / bs], off = pos % bs;
     const int8_t* v = vc.codes(g, block) + off * d;
@@ -194,8 +192,6 @@ inline void sum_values_any(const float* p, int64_t d, const Int8Cache& vc, int64
       _mm256_storeu_ps(o + i, _mm256_fmadd_ps(w, x, _mm256_loadu_ps(o + i)));
     }
   }
-  const __m256 vinv = _mm256_set1_ps(inv);
-  for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), vinv));
 }
 #endif
 

@@ -1,9 +1,10 @@
-// Paged attention over the KV cache for the C++ layers (fused_layer.cpp): each row's query
-// heads over its own context, read in place from the cache's blocks. A score is one chain of
-// fmas over the head dimension in order and an output element one chain over the keys in
-// order, so a row's bits depend on its own context only (never on the other rows of a call,
-// nor on how many heads or keys share a load), on every instruction set: AVX-512 builds load
-// 16 keys (or dimensions) at a time where blocks hold a multiple of 16 tokens, the same chains.
+// Paged attention's pieces for the C++ layers (composed by attend_rows.h): a group of query
+// heads' scores over a range of keys, softmax, and value sums over a range of keys, read in
+// place from the cache's blocks. A score is one chain of fmas over the head dimension in order
+// and an output element one chain over the keys in order (carried in memory between ranges),
+// so a row's bits depend on its own context only (never on the other rows of a call, nor on
+// how many heads or keys share a load), on every instruction set: AVX-512 builds load 16 keys
+// (or dimensions) at a time where blocks hold a multiple of 16 tokens, the same chains.
 //
 // Cache layout (kernels/reference.py): [Hkv, num_blocks, block_size, D] for K and V; a slot is
 // block * block_size + offset; block tables are padded with the null block 0. The elements are
@@ -159,16 +160,18 @@ void score_keys(const float* q, int64_t d, const Cache<T>& kc, int64_t g, const 
   }
 }
 
-// o_r[i] = (sum_t p_r[t] v_t[i]) * inv_r for heads r < HEADS (p_r = p + r * n, o_r = o + r * d)
-// and keys t in [first, first + n): each element one chain of fmas in key order, a block's
-// values read in sequence, each value row loaded once for the HEADS heads sharing it.
+// o_r[i] += sum_t p_r[t] v_t[i] for heads r < HEADS (p_r = p + r * stride, o_r = o + r * d)
+// and keys t in [first, first + n) (p_r[0] is key first's): each element one chain of fmas in
+// key order, carried in o (a float stored and reloaded is exact, so summing a row's keys a tile
+// at a time continues the one chain), a block's values read in sequence, each value row loaded
+// once for the HEADS heads sharing it.
 template <int CHUNKS, int HEADS, class T>  // CHUNKS = D / 8
-void sum_values(const float* p, int64_t d, const Cache<T>& vc, int64_t g, const int64_t* table,
-                int64_t first, int64_t n, const float* inv, float* o) {
+void sum_values(const float* p, int64_t stride, int64_t d, const Cache<T>& vc, int64_t g,
+                const int64_t* table, int64_t first, int64_t n, float* o) {
   const int64_t bs = vc.block_size, end = first + n;
   __m256 acc[HEADS][CHUNKS];
   for (int r = 0; r < HEADS; ++r) {
-    for (int c = 0; c < CHUNKS; ++c) acc[r][c] = _mm256_setzero_ps();
+    for (int c = 0; c < CHUNKS; ++c) acc[r][c] = _mm256_loadu_ps(o + r * d + 8 * c);
   }
   for (int64_t start = first - first % bs; start < end; start += bs) {  // one block
     const T* block = vc.at(g, table[start / bs], 0);
@@ -176,7 +179,7 @@ void sum_values(const float* p, int64_t d, const Cache<T>& vc, int64_t g, const 
     for (int64_t pos = lo; pos < hi; ++pos) {
       const T* v = block + (pos - start) * vc.slot_stride;
       __m256 w[HEADS];
-      for (int r = 0; r < HEADS; ++r) w[r] = _mm256_set1_ps(p[r * n + pos - first]);
+      for (int r = 0; r < HEADS; ++r) w[r] = _mm256_set1_ps(p[r * stride + pos - first]);
       for (int c = 0; c < CHUNKS; ++c) {
         const __m256 vc8 = load8(v + 8 * c);
         for (int r = 0; r < HEADS; ++r) acc[r][c] = _mm256_fmadd_ps(w[r], vc8, acc[r][c]);
@@ -184,25 +187,21 @@ void sum_values(const float* p, int64_t d, const Cache<T>& vc, int64_t g, const 
     }
   }
   for (int r = 0; r < HEADS; ++r) {
-    const __m256 vinv = _mm256_set1_ps(inv[r]);
-    for (int c = 0; c < CHUNKS; ++c) _mm256_storeu_ps(o + r * d + 8 * c, _mm256_mul_ps(acc[r][c], vinv));
+    for (int c = 0; c < CHUNKS; ++c) _mm256_storeu_ps(o + r * d + 8 * c, acc[r][c]);
   }
 }
 
 // The same sum for any D (a multiple of 8), one head.
 template <class T>
 void sum_values_any(const float* p, int64_t d, const Cache<T>& vc, int64_t g, const int64_t* table,
-                    int64_t first, int64_t n, float inv, float* o) {
+                    int64_t first, int64_t n, float* o) {
   const int64_t bs = vc.block_size, end = first + n;
-  std::fill_n(o, d, 0.0f);
   for (int64_t start = first - first % bs; start < end; start += bs) {
     const T* block = vc.at(g, table[start / bs], 0);
     for (int64_t pos = std::max(start, first); pos < std::min(start + bs, end); ++pos) {
       axpy(p[pos - first], block + (pos - start) * vc.slot_stride, o, d);
     }
   }
-  const __m256 vinv = _mm256_set1_ps(inv);
-  for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), vinv));
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -281,12 +280,12 @@ void score_keys16(const float* q, int64_t d, const Cache<T>& kc, int64_t g, cons
 
 // sum_values at 16 lanes: ZMMS = D / 16 vectors a head.
 template <int ZMMS, int HEADS, class T>
-void sum_values16(const float* p, int64_t d, const Cache<T>& vc, int64_t g, const int64_t* table,
-                  int64_t first, int64_t n, const float* inv, float* o) {
+void sum_values16(const float* p, int64_t stride, int64_t d, const Cache<T>& vc, int64_t g,
+                  const int64_t* table, int64_t first, int64_t n, float* o) {
   const int64_t bs = vc.block_size, end = first + n;
   __m512 acc[HEADS][ZMMS];
   for (int r = 0; r < HEADS; ++r) {
-    for (int c = 0; c < ZMMS; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int c = 0; c < ZMMS; ++c) acc[r][c] = _mm512_loadu_ps(o + r * d + 16 * c);
   }
   for (int64_t start = first - first % bs; start < end; start += bs) {  // one block
     const T* block = vc.at(g, table[start / bs], 0);
@@ -294,7 +293,7 @@ void sum_values16(const float* p, int64_t d, const Cache<T>& vc, int64_t g, cons
     for (int64_t pos = lo; pos < hi; ++pos) {
       const T* v = block + (pos - start) * vc.slot_stride;
       __m512 w[HEADS];
-      for (int r = 0; r < HEADS; ++r) w[r] = _mm512_set1_ps(p[r * n + pos - first]);
+      for (int r = 0; r < HEADS; ++r) w[r] = _mm512_set1_ps(p[r * stride + pos - first]);
       for (int c = 0; c < ZMMS; ++c) {
         const __m512 v16 = load16(v + 16 * c);
         for (int r = 0; r < HEADS; ++r) acc[r][c] = _mm512_fmadd_ps(w[r], v16, acc[r][c]);
@@ -302,23 +301,21 @@ void sum_values16(const float* p, int64_t d, const Cache<T>& vc, int64_t g, cons
     }
   }
   for (int r = 0; r < HEADS; ++r) {
-    const __m512 vinv = _mm512_set1_ps(inv[r]);
-    for (int c = 0; c < ZMMS; ++c) {
-      _mm512_storeu_ps(o + r * d + 16 * c, _mm512_mul_ps(acc[r][c], vinv));
-    }
+    for (int c = 0; c < ZMMS; ++c) _mm512_storeu_ps(o + r * d + 16 * c, acc[r][c]);
   }
 }
 
 // A group's value sums at 16 lanes, three heads a pass (D = 64 or 128: up to 24 accumulators).
 template <int ZMMS, class T>
-void sum_group16(const float* p, int64_t d, const Cache<T>& vc, int64_t g, const int64_t* table,
-                 int64_t first, int64_t n, const float* inv, float* o, int64_t group) {
+void sum_group16(const float* p, int64_t stride, int64_t d, const Cache<T>& vc, int64_t g,
+                 const int64_t* table, int64_t first, int64_t n, float* o, int64_t group) {
   for (int64_t r = 0; r < group; r += 3) {
-    const float* pr = p + r * n;
+    const float* pr = p + r * stride;
+    float* out = o + r * d;
     switch (std::min<int64_t>(3, group - r)) {
-      case 3: sum_values16<ZMMS, 3>(pr, d, vc, g, table, first, n, inv + r, o + r * d); break;
-      case 2: sum_values16<ZMMS, 2>(pr, d, vc, g, table, first, n, inv + r, o + r * d); break;
-      default: sum_values16<ZMMS, 1>(pr, d, vc, g, table, first, n, inv + r, o + r * d); break;
+      case 3: sum_values16<ZMMS, 3>(pr, stride, d, vc, g, table, first, n, out); break;
+      case 2: sum_values16<ZMMS, 2>(pr, stride, d, vc, g, table, first, n, out); break;
+      default: sum_values16<ZMMS, 1>(pr, stride, d, vc, g, table, first, n, out); break;
     }
   }
 }
@@ -334,40 +331,40 @@ constexpr int kValueHeads64 = 1, kValueHeads128 = 1, kScoreHeads = 4;
 
 // Heads [r, r + count) of a group: their value sums, count <= kValueHeads64 for D = 64.
 template <int CHUNKS, int MAXH, class KV>
-void sum_heads(const float* p, int64_t d, const KV& vc, int64_t g, const int64_t* table,
-               int64_t first, int64_t n, const float* inv, float* o, int64_t count) {
+void sum_heads(const float* p, int64_t stride, int64_t d, const KV& vc, int64_t g,
+               const int64_t* table, int64_t first, int64_t n, float* o, int64_t count) {
   if constexpr (MAXH >= 3) {
-    if (count == 3) return sum_values<CHUNKS, 3>(p, d, vc, g, table, first, n, inv, o);
+    if (count == 3) return sum_values<CHUNKS, 3>(p, stride, d, vc, g, table, first, n, o);
   }
   if constexpr (MAXH >= 2) {
-    if (count == 2) return sum_values<CHUNKS, 2>(p, d, vc, g, table, first, n, inv, o);
+    if (count == 2) return sum_values<CHUNKS, 2>(p, stride, d, vc, g, table, first, n, o);
   }
-  sum_values<CHUNKS, 1>(p, d, vc, g, table, first, n, inv, o);
+  sum_values<CHUNKS, 1>(p, stride, d, vc, g, table, first, n, o);
 }
 
-// o [group, D] = a group's value sums (over a float32, bfloat16 or int8 cache), p [group, n]
-// their softmax numerators, inv [group] their reciprocal sums: as many heads per pass as keep
-// their sums in registers.
+// o [group, D] += a group's value sums over keys [first, first + n) (a float32, bfloat16 or
+// int8 cache), p [group, stride] their softmax numerators from key first's on: as many heads per
+// pass as keep their sums in registers.
 template <class KV>
-void sum_group(const float* p, int64_t d, const KV& vc, int64_t g, const int64_t* table,
-               int64_t first, int64_t n, const float* inv, float* o, int64_t group) {
+void sum_group(const float* p, int64_t stride, int64_t d, const KV& vc, int64_t g,
+               const int64_t* table, int64_t first, int64_t n, float* o, int64_t group) {
 #if TANDEM_WIDE_ATTENTION
   if constexpr (!std::is_same_v<KV, Int8Cache>) {
-    if (d == 64) return sum_group16<4>(p, d, vc, g, table, first, n, inv, o, group);
-    if (d == 128) return sum_group16<8>(p, d, vc, g, table, first, n, inv, o, group);
+    if (d == 64) return sum_group16<4>(p, stride, d, vc, g, table, first, n, o, group);
+    if (d == 128) return sum_group16<8>(p, stride, d, vc, g, table, first, n, o, group);
   }
 #endif
   const int64_t per = d == 64 ? kValueHeads64 : d == 128 ? kValueHeads128 : 1;
   for (int64_t r = 0; r < group; r += per) {
     const int64_t count = std::min(per, group - r);
-    const float* pr = p + r * n;
+    const float* pr = p + r * stride;
     float* out = o + r * d;
     switch (d) {
-      case 64: sum_heads<8, kValueHeads64>(pr, d, vc, g, table, first, n, inv + r, out, count); break;
-      case 128: sum_heads<16, kValueHeads128>(pr, d, vc, g, table, first, n, inv + r, out, count); break;
+      case 64: sum_heads<8, kValueHeads64>(pr, stride, d, vc, g, table, first, n, out, count); break;
+      case 128: sum_heads<16, kValueHeads128>(pr, stride, d, vc, g, table, first, n, out, count); break;
       default:
         for (int64_t h = 0; h < count; ++h) {
-          sum_values_any(pr + h * n, d, vc, g, table, first, n, inv[r + h], out + h * d);
+          sum_values_any(pr + h * stride, d, vc, g, table, first, n, out + h * d);
         }
     }
   }
@@ -387,52 +384,30 @@ void score_heads(const float* q, int64_t d, const KV& kc, int64_t g, const int64
   score_keys<HEADS>(q, d, kc, g, table, first, n, scale, scores, stride);
 }
 
-// attn [rows, q_size]: each row's query heads over its own context, one (row, kv head) at a
-// time: scores in key order, softmax, then the values summed in key order. A row's steps depend
-// on its context length only, never on the other rows of the call.
+// scores [group, stride] from column 0 = a group's scaled scores of keys [first, first + n):
+// up to kScoreHeads heads share each load of the keys.
 template <class KV>
-void attend_rows(const float* qkv, const Heads& hd, const Rows& rows, const KV& kc,
-                 const KV& vc, float scale, int64_t window, float* attn) {
-  const int64_t d = hd.head_dim, group = hd.num_heads / hd.num_kv_heads;
-  // Tasks kv-head-major: a worker's consecutive tasks read the same head's keys and values
-  // (a request's rows share them), which then stay in its cache.
-  at::parallel_for(0, rows.count * hd.num_kv_heads, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores, invs;  // per worker, reused across its tasks
-    for (int64_t task = t0; task < t1; ++task) {
-      const int64_t g = task / rows.count, b = task % rows.count;
-      const int64_t len = rows.lens[b];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t n = len - first;
-      TORCH_CHECK(len >= 1 && (len - 1) / kc.block_size < rows.width &&
-                      rows.table_of[b] >= 0 && rows.table_of[b] < rows.num_tables,
-                  "tandem_cpu: a row's context is beyond its block table");
-      const int64_t* table = rows.tables + rows.table_of[b] * rows.width;
-      scores.resize(group * n);
-      const float* q = qkv + b * hd.cols() + g * group * d;  // the group's query heads
-      for (int64_t r = 0; r < group;) {  // up to kScoreHeads heads share each load of the keys
-        const int64_t heads = std::min<int64_t>(kScoreHeads, group - r);
-        float* s = scores.data() + r * n;
-        const float* qr = q + r * d;
-        switch (heads) {
+void score_group(const float* q, int64_t d, const KV& kc, int64_t g, const int64_t* table,
+                 int64_t first, int64_t n, float scale, float* scores, int64_t stride,
+                 int64_t group) {
+  for (int64_t r = 0; r < group;) {
+    const int64_t heads = std::min<int64_t>(kScoreHeads, group - r);
+    float* s = scores + r * stride;
+    const float* qr = q + r * d;
+    switch (heads) {
 #if defined(__AVX512VL__)
-          case 8: score_heads<8>(qr, d, kc, g, table, first, n, scale, s, n); break;
-          case 7: score_heads<7>(qr, d, kc, g, table, first, n, scale, s, n); break;
-          case 6: score_heads<6>(qr, d, kc, g, table, first, n, scale, s, n); break;
-          case 5: score_heads<5>(qr, d, kc, g, table, first, n, scale, s, n); break;
+      case 8: score_heads<8>(qr, d, kc, g, table, first, n, scale, s, stride); break;
+      case 7: score_heads<7>(qr, d, kc, g, table, first, n, scale, s, stride); break;
+      case 6: score_heads<6>(qr, d, kc, g, table, first, n, scale, s, stride); break;
+      case 5: score_heads<5>(qr, d, kc, g, table, first, n, scale, s, stride); break;
 #endif
-          case 4: score_heads<4>(qr, d, kc, g, table, first, n, scale, s, n); break;
-          case 3: score_heads<3>(qr, d, kc, g, table, first, n, scale, s, n); break;
-          case 2: score_heads<2>(qr, d, kc, g, table, first, n, scale, s, n); break;
-          default: score_heads<1>(qr, d, kc, g, table, first, n, scale, s, n); break;
-        }
-        r += heads;
-      }
-      invs.resize(group);
-      for (int64_t r = 0; r < group; ++r) invs[r] = 1.0f / softmax_unnormalized(scores.data() + r * n, n);
-      float* o = attn + b * hd.q_size() + g * group * d;  // the group's outputs
-      sum_group(scores.data(), d, vc, g, table, first, n, invs.data(), o, group);
+      case 4: score_heads<4>(qr, d, kc, g, table, first, n, scale, s, stride); break;
+      case 3: score_heads<3>(qr, d, kc, g, table, first, n, scale, s, stride); break;
+      case 2: score_heads<2>(qr, d, kc, g, table, first, n, scale, s, stride); break;
+      default: score_heads<1>(qr, d, kc, g, table, first, n, scale, s, stride); break;
     }
-  });
+    r += heads;
+  }
 }
 
 #endif

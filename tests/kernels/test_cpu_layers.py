@@ -338,9 +338,15 @@ def test_int8_attend_equals_attention_over_the_dequantized_rows(block_size, head
     lens = [1, 19, 45]
     qkv, int8, reference, tables, row_tables, seq_lens = stored_int8(heads, block_size, lens)
     assert torch.equal(int8[0], reference[0]) and torch.equal(int8[1], reference[1])
-    # the oracle: softmax attention over the rows as the cache holds them
+    held = held_int8(qkv, int8, tables, heads, lens)
+    assert_attends_as_stored(qkv, held, int8, tables, row_tables, seq_lens, heads, lens, window)
+
+
+def held_int8(qkv, int8, tables, heads, lens):
+    """qkv with its K and V rows as the int8 caches hold them (dequantized): the oracle's rows."""
     num_heads, num_kv_heads, d = heads
     q_size, kv_size = num_heads * d, num_kv_heads * d
+    block_size = int8[0].shape[2]
     k_rows, v_rows = kv_int8.dequantize(int8[0], d, True), kv_int8.dequantize(int8[1], d, False)
     held = qkv.clone()
     flat_slots = []
@@ -349,7 +355,7 @@ def test_int8_attend_equals_attention_over_the_dequantized_rows(block_size, head
     blocks, offsets = (torch.tensor(c) for c in zip(*flat_slots, strict=True))
     held[:, q_size : q_size + kv_size] = k_rows[:, blocks, offsets].transpose(0, 1).flatten(1)
     held[:, q_size + kv_size :] = v_rows[:, blocks, offsets].transpose(0, 1).flatten(1)
-    assert_attends_as_stored(qkv, held, int8, tables, row_tables, seq_lens, heads, lens, window)
+    return held
 
 
 def assert_attends_as_stored(qkv, held, caches, tables, row_tables, seq_lens, heads, lens, window):
@@ -407,3 +413,38 @@ def test_bfloat16_attend_equals_attention_over_the_rounded_rows(block_size, head
     scale = heads[2] ** -0.5
     with pytest.raises(RuntimeError, match="both alike"):  # K and V in one type
         attend(qkv, (bf16[0], caches[1]), tables, row_tables, seq_lens, heads, scale, window)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("window", [0, 700])
+def test_a_requests_rows_share_the_cache_reads_and_keep_each_rows_bits(kv_dtype, window):
+    """16 verification rows of one request at 1,185-1,200 tokens of context, past several of
+    attend's key tiles (kernels/cpu/attend_rows.h: the rows of a request score each tile in
+    turn, each row's value sums carried from tile to tile): softmax attention over the rows as
+    stored, the bits of each row attended alone, whatever the block size (12: 8-lane loads and
+    tiles of 252 keys; 16: 16-lane ones on AVX-512 and tiles of 256, so equal bits also say that
+    the tiling leaves each chain whole). A window of 700 starts each row's keys inside a tile."""
+    heads, lens, rows = (9, 3, 64), [1200], list(range(1184, 1200))
+    scale = heads[2] ** -0.5
+    got = {}
+    for block_size in (12, 16):
+        if kv_dtype == torch.int8:
+            qkv, caches, _, tables, row_tables, seq_lens = stored_int8(heads, block_size, lens)
+            held = held_int8(qkv, caches, tables, heads, lens)
+        else:
+            qkv, caches, tables, row_tables, seq_lens = requests_in_cache(heads, block_size, lens)
+            caches = tuple(c.to(kv_dtype) for c in caches)
+            held = qkv.clone()
+            held[:, heads[0] * heads[2] :] = held[:, heads[0] * heads[2] :].to(kv_dtype).float()
+        args = (caches, tables)
+        got[block_size] = attend(
+            qkv[rows], *args, row_tables[rows], seq_lens[rows], heads, scale, window
+        )
+        want = reference_attention(held, heads, lens, scale, window)[rows].float()
+        torch.testing.assert_close(got[block_size], want, rtol=1e-5, atol=1e-5)
+        for i, row in enumerate(rows):
+            alone = attend(
+                qkv[[row]], *args, row_tables[[row]], seq_lens[[row]], heads, scale, window
+            )
+            assert torch.equal(alone, got[block_size][[i]]), row
+    assert torch.equal(got[12], got[16])
