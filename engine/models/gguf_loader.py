@@ -66,13 +66,30 @@ class _Header:
             self.offset += struct.calcsize(SCALARS[value_type])
 
 
-def read_tensors(path: str | Path) -> dict[str, GGUFTensor]:
-    """The tensor table of a GGUF file (versions 2 and 3, little-endian), data mapped."""
+def _open(path: str | Path) -> tuple[np.memmap, _Header, int, int]:
+    """The mapped file, its header stepped past the counts, the tensors' and the metadata's."""
     data = np.memmap(path, mode="r")
     h = _Header(memoryview(data))
     magic, version, num_tensors, num_values = h.read("I"), h.read("I"), h.read("Q"), h.read("Q")
     if magic != MAGIC or version not in (2, 3):
         raise ValueError(f"not a little-endian GGUF (version 2 or 3): {magic=:#x} {version=}")
+    return data, h, num_tensors, num_values
+
+
+def architecture(path: str | Path) -> str:
+    """The file's general.architecture (the metadata stepped over up to it)."""
+    _, h, _, num_values = _open(path)
+    for _ in range(num_values):
+        key, value_type = h.string(), h.read("I")
+        if key == "general.architecture" and value_type == STRING:
+            return h.string()
+        h.skip(value_type)
+    raise ValueError("no general.architecture in its metadata")
+
+
+def read_tensors(path: str | Path) -> dict[str, GGUFTensor]:
+    """The tensor table of a GGUF file (versions 2 and 3, little-endian), data mapped."""
+    data, h, num_tensors, num_values = _open(path)
     alignment = 32
     for _ in range(num_values):
         key, value_type = h.string(), h.read("I")

@@ -298,13 +298,11 @@ def _file_digest(path: Path) -> str:
 
 def _check_gguf_architecture(path: Path) -> None:
     """The file's general.architecture is one we run (before anything is converted)."""
-    from gguf import GGUFReader
-
     from engine.models.architectures import GGUF_ARCHITECTURES
+    from engine.models.gguf_loader import architecture
 
     try:
-        field = GGUFReader(str(path)).fields["general.architecture"]
-        arch = bytes(field.parts[field.data[0]]).decode()
+        arch = architecture(path)
     except Exception as e:  # not GGUF, truncated, no architecture
         raise ValueError(f"cannot read GGUF file {str(path)!r}: {e}") from None
     if arch not in GGUF_ARCHITECTURES:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from engine.models.gguf_loader import GGUFWeights, read_tensors
+from engine.models.gguf_loader import GGUFWeights, architecture, read_tensors
 from engine.models.loader import gguf_file
 from engine.models.registry import ModelNotFoundError, resolve_model
 
@@ -21,6 +21,16 @@ def embedded_gguf(name: str):
         return gguf_file(resolve_model(name, dense=False))
     except ModelNotFoundError:
         pytest.skip(f"{name} not installed")
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_architecture_is_gguf_readers_field(name):
+    """general.architecture, as the registry checks it before converting: the string
+    gguf.GGUFReader gives for the field ("llama", "gemma3")."""
+    path = embedded_gguf(name)
+    field = GGUFReader(str(path)).fields["general.architecture"]
+    assert architecture(path) == bytes(field.parts[field.data[0]]).decode()
+    assert architecture(path) == {"smollm2-135m-instruct": "llama", "gemma3-270m": "gemma3"}[name]
 
 
 @pytest.mark.parametrize("name", MODELS)
