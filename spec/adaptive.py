@@ -127,13 +127,15 @@ class StepCost:
     loop"). A rows-only line priced every row at the deepest recent context and, with no
     drafts, kept that price for good (all steps one row: nothing to refit). Exponentially
     weighted least squares, as LinearCost; the keys term only once keys vary apart from rows
-    (else per_key = 0: the rows-only line); a fit is kept while recent steps have one row count."""
+    (else per_key = 0: the rows-only line, LinearCost's fit of the same steps); a fit is kept
+    while recent steps have one row count."""
 
     KEY_SCALE = 1e-3  # keys in thousands in the normal equations (better conditioned)
 
     def __init__(self, decay: float = 0.97):
         self.decay = decay
         self.moments = np.zeros((4, 4))  # weighted sums of x x^T, x = (1, rows, keys, seconds)
+        self.rows = LinearCost(decay)  # the rows-only line, where keys say nothing apart
         self.fixed: float | None = None
         self.per_row: float | None = None
         self.per_key = 0.0  # seconds per attended key
@@ -143,12 +145,13 @@ class StepCost:
         return self.per_row is not None
 
     def observe(self, rows: int, seconds: float, keys: int = 0) -> None:
+        self.rows.observe(rows, seconds)
         x = np.array([1.0, rows, keys * self.KEY_SCALE, seconds])  # [4]
         self.moments = self.moments * self.decay + np.outer(x, x)
         m = self.moments
         mean = m[0, :3] / m[0, 0]
         cov = m[:3, :3] / m[0, 0] - np.outer(mean, mean)  # [3, 3] of (1, rows, keys)
-        if cov[1, 1] < LinearCost.MIN_SPREAD:
+        if cov[1, 1] < LinearCost.MIN_SPREAD or not self.rows.fitted:
             return
         # Keys apart from rows: their covariance is not (near) singular.
         if cov[2, 2] * cov[1, 1] - cov[1, 2] ** 2 > 1e-6 * cov[1, 1] * max(cov[2, 2], 1e-12):
@@ -160,10 +163,7 @@ class StepCost:
                 self.fixed, self.per_row = max(fixed, 0.0), per_row
                 self.per_key = per_key * self.KEY_SCALE
                 return
-        fixed, per_row = np.linalg.solve(m[:2, :2], m[:2, 3])
-        self.per_row = max(per_row, 0.0)
-        self.fixed = max((m[0, 3] - self.per_row * m[0, 1]) / m[0, 0], 0.0)
-        self.per_key = 0.0
+        self.fixed, self.per_row, self.per_key = self.rows.fixed, self.rows.per_row, 0.0
 
     def __call__(self, rows: int, keys: int = 0) -> float:
         return self.fixed + self.per_row * rows + self.per_key * keys
