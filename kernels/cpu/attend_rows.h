@@ -18,8 +18,10 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
+#include "attend_wide.h"
 #include "kv_caches.h"
 #include "paged_attention.h"
 
@@ -27,9 +29,9 @@ namespace tandem {
 namespace {
 
 #if TANDEM_HAVE_KERNEL
-// Keys per tile (rounded down to whole blocks): a tile's K and V (D = 64, float32: 64 KiB
-// each) stay in L2 while up to kPieceRows rows read them.
-constexpr int64_t kTileKeys = 256;
+// Keys per tile (rounded down to whole blocks): a tile's keys (D = 64, float32: 16 KiB), and
+// then its values, stay in L1 while the piece's rows read them.
+constexpr int64_t kTileKeys = 64;
 // Rows of one request per task: their scores ([rows, group, context] floats) are held at once.
 constexpr int64_t kPieceRows = 16;
 
@@ -58,6 +60,9 @@ std::vector<int64_t> piece_starts(const Rows& rows, int64_t cap) {
 struct Scratch {
   std::vector<PieceRow> rows;
   std::vector<float> scores, invs;
+#if TANDEM_WIDE_ATTENTION
+  std::vector<HeadRow> heads, meet;  // the piece's (row, head) pairs; those meeting a tile
+#endif
 };
 
 // f(i, first, n, off) for each row i of the piece whose keys meet the tile [k0, k0 + tile):
@@ -71,7 +76,8 @@ inline void rows_in_tile(const std::vector<PieceRow>& rows, int64_t k0, int64_t 
 }
 
 // kv head g over rows [b0, b1) of one request: scores a tile at a time, softmax per row over
-// its whole context, value sums a tile at a time.
+// its whole context, value sums a tile at a time. Float caches on AVX-512 (attend_wide.h):
+// every (row, head) of the piece that attends a tile shares its loads.
 template <class KV>
 void attend_piece(const float* qkv, const Heads& hd, const Rows& rows, const KV& kc,
                   const KV& vc, float scale, int64_t window, int64_t g, int64_t b0, int64_t b1,
@@ -93,32 +99,69 @@ void attend_piece(const float* qkv, const Heads& hd, const Rows& rows, const KV&
   s.scores.resize(total);
   const int64_t* table = rows.tables + rows.table_of[b0] * rows.width;  // the piece's request
   const int64_t tile = std::max<int64_t>(1, kTileKeys / kc.block_size) * kc.block_size;
+  // Row i's group of query heads, its scores [group, stride], its outputs.
+  auto q_of = [&](size_t i) { return qkv + (b0 + i) * hd.cols() + g * group * d; };
+  auto o_of = [&](size_t i) { return attn + (b0 + i) * hd.q_size() + g * group * d; };
+  auto stride_of = [&](size_t i) { return s.rows[i].end - s.rows[i].first; };
+#if TANDEM_WIDE_ATTENTION
+  bool wide = false;
+  if constexpr (!std::is_same_v<KV, Int8Cache>) wide = wide_attention(kc, d);
+  s.heads.clear();
+  for (size_t i = 0; wide && i < s.rows.size(); ++i) {
+    for (int64_t r = 0; r < group; ++r) {
+      s.heads.push_back({q_of(i) + r * d, s.scores.data() + s.rows[i].at + r * stride_of(i),
+                         o_of(i) + r * d, s.rows[i].first, s.rows[i].end});
+    }
+  }
+  auto meeting = [&](int64_t k0) {  // the pairs whose keys meet the tile [k0, k0 + tile)
+    s.meet.clear();
+    for (const HeadRow& h : s.heads) {
+      if (h.first < k0 + tile && h.end > k0) s.meet.push_back(h);
+    }
+  };
+#endif
   for (int64_t k0 = lo - lo % tile; k0 < hi; k0 += tile) {
+#if TANDEM_WIDE_ATTENTION
+    if constexpr (!std::is_same_v<KV, Int8Cache>) {
+      if (wide) {
+        meeting(k0);
+        score_tile(s.meet.data(), s.meet.size(), d, kc, g, table, k0, k0 + tile, scale);
+        continue;
+      }
+    }
+#endif
     rows_in_tile(s.rows, k0, tile, [&](size_t i, int64_t first, int64_t n, int64_t off) {
-      const float* q = qkv + (b0 + i) * hd.cols() + g * group * d;  // the group's query heads
-      const int64_t stride = s.rows[i].end - s.rows[i].first;
-      score_group(q, d, kc, g, table, first, n, scale, s.scores.data() + s.rows[i].at + off,
-                  stride, group);
+      score_group(q_of(i), d, kc, g, table, first, n, scale,
+                  s.scores.data() + s.rows[i].at + off, stride_of(i), group);
     });
   }
   s.invs.resize(s.rows.size() * group);
   for (size_t i = 0; i < s.rows.size(); ++i) {
-    const int64_t n = s.rows[i].end - s.rows[i].first;
+    const int64_t n = stride_of(i);
     float* scores = s.scores.data() + s.rows[i].at;  // [group, n]
     for (int64_t r = 0; r < group; ++r) {
       s.invs[i * group + r] = 1.0f / softmax_unnormalized(scores + r * n, n);
     }
-    std::fill_n(attn + (b0 + i) * hd.q_size() + g * group * d, group * d, 0.0f);
+    std::fill_n(o_of(i), group * d, 0.0f);
   }
   for (int64_t k0 = lo - lo % tile; k0 < hi; k0 += tile) {
+#if TANDEM_WIDE_ATTENTION
+    if constexpr (!std::is_same_v<KV, Int8Cache>) {
+      if (wide) {
+        meeting(k0);
+        if (d == 64) sum_tile<4>(s.meet.data(), s.meet.size(), vc, g, table, k0, k0 + tile);
+        if (d == 128) sum_tile<8>(s.meet.data(), s.meet.size(), vc, g, table, k0, k0 + tile);
+        continue;
+      }
+    }
+#endif
     rows_in_tile(s.rows, k0, tile, [&](size_t i, int64_t first, int64_t n, int64_t off) {
-      float* o = attn + (b0 + i) * hd.q_size() + g * group * d;  // the group's outputs
-      const int64_t stride = s.rows[i].end - s.rows[i].first;
-      sum_group(s.scores.data() + s.rows[i].at + off, stride, d, vc, g, table, first, n, o, group);
+      sum_group(s.scores.data() + s.rows[i].at + off, stride_of(i), d, vc, g, table, first, n,
+                o_of(i), group);
     });
   }
   for (size_t i = 0; i < s.rows.size(); ++i) {  // o * inv, as one multiply
-    float* o = attn + (b0 + i) * hd.q_size() + g * group * d;
+    float* o = o_of(i);
     for (int64_t r = 0; r < group; ++r) {
       for (int64_t j = 0; j < d; ++j) o[r * d + j] *= s.invs[i * group + r];
     }

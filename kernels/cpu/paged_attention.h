@@ -3,8 +3,8 @@
 // place from the cache's blocks. A score is one chain of fmas over the head dimension in order
 // and an output element one chain over the keys in order (carried in memory between ranges),
 // so a row's bits depend on its own context only (never on the other rows of a call, nor on
-// how many heads or keys share a load), on every instruction set: AVX-512 builds load 16 keys
-// (or dimensions) at a time where blocks hold a multiple of 16 tokens, the same chains.
+// how many heads or keys share a load), on every instruction set: AVX-512 builds run the same
+// chains 16 lanes wide over float caches (attend_wide.h).
 //
 // Cache layout (kernels/reference.py): [Hkv, num_blocks, block_size, D] for K and V; a slot is
 // block * block_size + offset; block tables are padded with the null block 0. The elements are
@@ -50,14 +50,33 @@ inline void axpy(float a, const T* x, float* y, int64_t n) {  // y += a x
 float softmax_unnormalized(float* s, int64_t n) {
   __m256 vmax = _mm256_set1_ps(-INFINITY);  // max is exact in any order
   int64_t j = 0;
+#if defined(__AVX512F__)
+  __m512 m[4];  // four chains: one would wait on each max's latency
+  for (__m512& v : m) v = _mm512_set1_ps(-INFINITY);
+  for (; j + 64 <= n; j += 64) {
+    for (int c = 0; c < 4; ++c) m[c] = _mm512_max_ps(m[c], _mm512_loadu_ps(s + j + 16 * c));
+  }
+  const __m512 m16 = _mm512_max_ps(_mm512_max_ps(m[0], m[1]), _mm512_max_ps(m[2], m[3]));
+  vmax = _mm256_max_ps(_mm512_castps512_ps256(m16),
+                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(m16), 1)));
+#endif
   for (; j + 8 <= n; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + j));
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, vmax);
   float top = *std::max_element(lanes, lanes + 8);
   for (; j < n; ++j) top = std::max(top, s[j]);
   const __m256 vtop = _mm256_set1_ps(top);
-  __m256 acc = _mm256_setzero_ps();
+  __m256 acc = _mm256_setzero_ps();  // lane j sums s[j], s[j + 8], s[j + 16] ... in order
   int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 wtop = _mm512_set1_ps(top);
+  for (; i + 16 <= n; i += 16) {  // 16 exps at once, summed as two eights: the same order
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + i), wtop));
+    _mm512_storeu_ps(s + i, e);
+    acc = _mm256_add_ps(acc, _mm512_castps512_ps256(e));
+    acc = _mm256_add_ps(acc, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+  }
+#endif
   for (; i + 8 <= n; i += 8) {
     const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + i), vtop));
     _mm256_storeu_ps(s + i, e);
@@ -204,122 +223,6 @@ void sum_values_any(const float* p, int64_t d, const Cache<T>& vc, int64_t g, co
   }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define TANDEM_WIDE_ATTENTION 1
-// The same steps at 16 lanes (float32 and bfloat16 caches, AVX-512): a lane is still one key
-// (scores) or one dimension (value sums), and each chain of fmas runs over the same operands
-// in the same order, so every score and output element has the bits of the 8-lane code above.
-
-// Sixteen elements at p as float32 (bfloat16: its bits in the upper half, exact).
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const BF16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
-// RUNS runs of 16 keys, run v's key t element i at keys[v][i * bs + t] (a slab's columns),
-// scored against HEADS heads: head r's scaled score of key t goes to scores[r * stride + at +
-// 16 v + t] for the keys of [0, n) (the row's context; at may be negative: the first run may
-// start before it). HEADS x RUNS chains hide the fma latency; each score is one chain over i
-// in order, as score_block's.
-template <int HEADS, int RUNS, class T>
-inline void score_runs(const float* q, int64_t d, const T* const* keys, int64_t bs,
-                       __m512 vscale, float* scores, int64_t stride, int64_t at, int64_t n) {
-  __m512 acc[HEADS][RUNS];
-  for (int r = 0; r < HEADS; ++r) {
-    for (int v = 0; v < RUNS; ++v) acc[r][v] = _mm512_setzero_ps();
-  }
-  for (int64_t i = 0; i < d; ++i) {
-    __m512 k[RUNS];
-    for (int v = 0; v < RUNS; ++v) k[v] = load16(keys[v] + i * bs);
-    for (int r = 0; r < HEADS; ++r) {
-      const __m512 qi = _mm512_set1_ps(q[r * d + i]);
-      for (int v = 0; v < RUNS; ++v) acc[r][v] = _mm512_fmadd_ps(qi, k[v], acc[r][v]);
-    }
-  }
-  for (int v = 0; v < RUNS; ++v) {
-    const int64_t first = at + 16 * v;  // the run's first key, as a score index
-    const int64_t lo = std::max<int64_t>(0, -first), hi = std::min<int64_t>(16, n - first);
-    const auto mask = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
-    for (int r = 0; r < HEADS; ++r) {
-      const __m512 out = _mm512_mul_ps(acc[r][v], vscale);
-      float* row = scores + r * stride;
-      if (lo == 0 && hi == 16) {
-        _mm512_storeu_ps(row + first, out);
-      } else {  // the run's keys inside [0, n), packed to the front: stored from first + lo
-        _mm512_mask_compressstoreu_ps(row + first + lo, mask, out);
-      }
-    }
-  }
-}
-
-// score_keys for a block size that is a multiple of 16: runs of 16 keys never straddle a
-// block, so every load is whole (keys past the context are scored and dropped, as there).
-template <int HEADS, class T>
-void score_keys16(const float* q, int64_t d, const Cache<T>& kc, int64_t g, const int64_t* table,
-                  int64_t first, int64_t n, float scale, float* scores, int64_t stride) {
-  constexpr int kRuns = 3;  // HEADS <= 8: 24 accumulators, 3 keys, a query (32 registers)
-  const int64_t bs = kc.block_size, end = first + n;
-  const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t start = first - first % 16; start < end;) {
-    const int runs = static_cast<int>(std::min<int64_t>(kRuns, (end - start + 15) / 16));
-    const T* keys[kRuns];
-    for (int v = 0; v < runs; ++v) {
-      const int64_t at = start + 16 * v;
-      keys[v] = key_slab(kc, g, table[at / bs]) + at % bs;
-    }
-    const int64_t at = start - first;
-    switch (runs) {
-      case 3: score_runs<HEADS, 3>(q, d, keys, bs, vscale, scores, stride, at, n); break;
-      case 2: score_runs<HEADS, 2>(q, d, keys, bs, vscale, scores, stride, at, n); break;
-      default: score_runs<HEADS, 1>(q, d, keys, bs, vscale, scores, stride, at, n); break;
-    }
-    start += 16 * runs;
-  }
-}
-
-// sum_values at 16 lanes: ZMMS = D / 16 vectors a head.
-template <int ZMMS, int HEADS, class T>
-void sum_values16(const float* p, int64_t stride, int64_t d, const Cache<T>& vc, int64_t g,
-                  const int64_t* table, int64_t first, int64_t n, float* o) {
-  const int64_t bs = vc.block_size, end = first + n;
-  __m512 acc[HEADS][ZMMS];
-  for (int r = 0; r < HEADS; ++r) {
-    for (int c = 0; c < ZMMS; ++c) acc[r][c] = _mm512_loadu_ps(o + r * d + 16 * c);
-  }
-  for (int64_t start = first - first % bs; start < end; start += bs) {  // one block
-    const T* block = vc.at(g, table[start / bs], 0);
-    const int64_t lo = std::max(start, first), hi = std::min(start + bs, end);
-    for (int64_t pos = lo; pos < hi; ++pos) {
-      const T* v = block + (pos - start) * vc.slot_stride;
-      __m512 w[HEADS];
-      for (int r = 0; r < HEADS; ++r) w[r] = _mm512_set1_ps(p[r * stride + pos - first]);
-      for (int c = 0; c < ZMMS; ++c) {
-        const __m512 v16 = load16(v + 16 * c);
-        for (int r = 0; r < HEADS; ++r) acc[r][c] = _mm512_fmadd_ps(w[r], v16, acc[r][c]);
-      }
-    }
-  }
-  for (int r = 0; r < HEADS; ++r) {
-    for (int c = 0; c < ZMMS; ++c) _mm512_storeu_ps(o + r * d + 16 * c, acc[r][c]);
-  }
-}
-
-// A group's value sums at 16 lanes, three heads a pass (D = 64 or 128: up to 24 accumulators).
-template <int ZMMS, class T>
-void sum_group16(const float* p, int64_t stride, int64_t d, const Cache<T>& vc, int64_t g,
-                 const int64_t* table, int64_t first, int64_t n, float* o, int64_t group) {
-  for (int64_t r = 0; r < group; r += 3) {
-    const float* pr = p + r * stride;
-    float* out = o + r * d;
-    switch (std::min<int64_t>(3, group - r)) {
-      case 3: sum_values16<ZMMS, 3>(pr, stride, d, vc, g, table, first, n, out); break;
-      case 2: sum_values16<ZMMS, 2>(pr, stride, d, vc, g, table, first, n, out); break;
-      default: sum_values16<ZMMS, 1>(pr, stride, d, vc, g, table, first, n, out); break;
-    }
-  }
-}
-#endif
 
 // Heads whose scores (values) share each load of the keys (values): as many as keep the
 // accumulators in registers (32 vector registers with AVX-512VL, 16 without).
@@ -348,12 +251,6 @@ void sum_heads(const float* p, int64_t stride, int64_t d, const KV& vc, int64_t 
 template <class KV>
 void sum_group(const float* p, int64_t stride, int64_t d, const KV& vc, int64_t g,
                const int64_t* table, int64_t first, int64_t n, float* o, int64_t group) {
-#if TANDEM_WIDE_ATTENTION
-  if constexpr (!std::is_same_v<KV, Int8Cache>) {
-    if (d == 64) return sum_group16<4>(p, stride, d, vc, g, table, first, n, o, group);
-    if (d == 128) return sum_group16<8>(p, stride, d, vc, g, table, first, n, o, group);
-  }
-#endif
   const int64_t per = d == 64 ? kValueHeads64 : d == 128 ? kValueHeads128 : 1;
   for (int64_t r = 0; r < group; r += per) {
     const int64_t count = std::min(per, group - r);
@@ -370,20 +267,6 @@ void sum_group(const float* p, int64_t stride, int64_t d, const KV& vc, int64_t 
   }
 }
 
-// score_keys, at 16 lanes where the cache allows.
-template <int HEADS, class KV>
-void score_heads(const float* q, int64_t d, const KV& kc, int64_t g, const int64_t* table,
-                 int64_t first, int64_t n, float scale, float* scores, int64_t stride) {
-#if TANDEM_WIDE_ATTENTION
-  if constexpr (!std::is_same_v<KV, Int8Cache>) {
-    if (kc.block_size % 16 == 0) {
-      return score_keys16<HEADS>(q, d, kc, g, table, first, n, scale, scores, stride);
-    }
-  }
-#endif
-  score_keys<HEADS>(q, d, kc, g, table, first, n, scale, scores, stride);
-}
-
 // scores [group, stride] from column 0 = a group's scaled scores of keys [first, first + n):
 // up to kScoreHeads heads share each load of the keys.
 template <class KV>
@@ -396,15 +279,15 @@ void score_group(const float* q, int64_t d, const KV& kc, int64_t g, const int64
     const float* qr = q + r * d;
     switch (heads) {
 #if defined(__AVX512VL__)
-      case 8: score_heads<8>(qr, d, kc, g, table, first, n, scale, s, stride); break;
-      case 7: score_heads<7>(qr, d, kc, g, table, first, n, scale, s, stride); break;
-      case 6: score_heads<6>(qr, d, kc, g, table, first, n, scale, s, stride); break;
-      case 5: score_heads<5>(qr, d, kc, g, table, first, n, scale, s, stride); break;
+      case 8: score_keys<8>(qr, d, kc, g, table, first, n, scale, s, stride); break;
+      case 7: score_keys<7>(qr, d, kc, g, table, first, n, scale, s, stride); break;
+      case 6: score_keys<6>(qr, d, kc, g, table, first, n, scale, s, stride); break;
+      case 5: score_keys<5>(qr, d, kc, g, table, first, n, scale, s, stride); break;
 #endif
-      case 4: score_heads<4>(qr, d, kc, g, table, first, n, scale, s, stride); break;
-      case 3: score_heads<3>(qr, d, kc, g, table, first, n, scale, s, stride); break;
-      case 2: score_heads<2>(qr, d, kc, g, table, first, n, scale, s, stride); break;
-      default: score_heads<1>(qr, d, kc, g, table, first, n, scale, s, stride); break;
+      case 4: score_keys<4>(qr, d, kc, g, table, first, n, scale, s, stride); break;
+      case 3: score_keys<3>(qr, d, kc, g, table, first, n, scale, s, stride); break;
+      case 2: score_keys<2>(qr, d, kc, g, table, first, n, scale, s, stride); break;
+      default: score_keys<1>(qr, d, kc, g, table, first, n, scale, s, stride); break;
     }
     r += heads;
   }

@@ -421,9 +421,11 @@ def test_a_requests_rows_share_the_cache_reads_and_keep_each_rows_bits(kv_dtype,
     """16 verification rows of one request at 1,185-1,200 tokens of context, past several of
     attend's key tiles (kernels/cpu/attend_rows.h: the rows of a request score each tile in
     turn, each row's value sums carried from tile to tile): softmax attention over the rows as
-    stored, the bits of each row attended alone, whatever the block size (12: 8-lane loads and
-    tiles of 252 keys; 16: 16-lane ones on AVX-512 and tiles of 256, so equal bits also say that
-    the tiling leaves each chain whole). A window of 700 starts each row's keys inside a tile."""
+    stored, the bits of each row attended alone, whatever the block size (12: 8-lane loads, a
+    row's heads per load and tiles of 60 keys; 16: on AVX-512, attend_wide.h's 16 lanes with up
+    to 8 (row, head) pairs of several rows per load and tiles of 64, so equal bits also say that
+    neither the tiling nor the sharing cuts a chain). A window of 700 starts each row's keys
+    inside a tile."""
     heads, lens, rows = (9, 3, 64), [1200], list(range(1184, 1200))
     scale = heads[2] ** -0.5
     got = {}
