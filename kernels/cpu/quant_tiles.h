@@ -1,0 +1,219 @@
+// The quantized matmul's tile kernels (the math and the layout: quant_matmul.cpp's header
+// comment): MT rows of int8 activations against one 16-row tile of codes, each output one
+// chain of float steps per group. AVX-512 VNNI takes the tile's 16 rows in one register; the
+// 256-bit paths (AVX-VNNI, AVX2) take it as two halves of 8 rows, the same steps per lane.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "quant_layout.h"
+#include "simd.h"
+
+namespace tandem {
+namespace {
+
+using namespace layout;
+
+#if TANDEM_HAVE_KERNEL
+struct Activations {
+  const int8_t* p;   // [M, Kp]
+  const float* dx;   // [M, Kp / G]
+  const float* sx;   // [M, Kp / G]
+  const int32_t* halves;  // [M, Kp / 16]: -32 sum(p) over each 16 (Q6_K's -32 S, exact)
+  int64_t kp;
+};
+
+inline int32_t word(const int8_t* p) {  // four activation codes as one int32 (to broadcast)
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+#if TANDEM_AVX512
+// One tile's group u -> its 8 chunks of codes as bytes (the 4-bit plane's nibbles, plus 16,
+// 32 where the higher planes' bits are set).
+template <int BITS>
+inline void unpack(const uint8_t* u, __m512i chunk[8]) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int c = 0; c < (BITS == 8 ? 8 : 4); ++c) {
+    const __m512i v = _mm512_loadu_si512(u + 64 * c);
+    if constexpr (BITS == 8) {
+      chunk[c] = v;
+    } else {
+      chunk[c] = _mm512_and_si512(v, low);
+      chunk[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+  }
+  for (int b = 4; b < (BITS == 8 ? 4 : BITS); ++b) {  // plane b: word c's bit i is byte i's
+    const __m512i value = _mm512_set1_epi8(static_cast<char>(1 << b));
+    for (int c = 0; c < 8; ++c) {
+      uint64_t bits;
+      std::memcpy(&bits, u + 256 + 64 * (b - 4) + 8 * c, 8);
+      chunk[c] = _mm512_mask_add_epi8(chunk[c], _cvtu64_mask64(bits), chunk[c], value);
+    }
+  }
+}
+
+// A tile's codes (groups units of BITS-bit codes) as 8-bit units, one code a byte.
+template <int BITS>
+inline void widen(const uint8_t* w, int64_t groups, uint8_t* out) {
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i chunk[8];
+    unpack<BITS>(w + g * unit_bytes(BITS), chunk);
+    for (int c = 0; c < 8; ++c) _mm512_storeu_si512(out + 512 * g + 64 * c, chunk[c]);
+  }
+}
+
+// MT activation rows against one 16-row tile: acc[t] holds row first + t's 16 outputs. WIDE:
+// the codes are `widen`'s 8-bit units (of BITS-bit values).
+template <int BITS, int MT, typename S, bool WIDE>
+inline void tile(const uint8_t* w, const uint8_t* d, const uint8_t* m, const Activations& a,
+                 int64_t first, float* y, int64_t ldy, int64_t width, const float* bias) {
+  const int64_t groups = a.kp / G;
+  __m512 acc[MT];
+  for (int t = 0; t < MT; ++t) acc[t] = _mm512_setzero_ps();
+  // The row loops unrolled whole and the group loop not at all: the MT accumulators and one
+  // group's 8 chunks then stay in registers (unrolling groups too spilled acc to the stack).
+#pragma GCC unroll 1
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i chunk[8];
+    unpack<WIDE ? 8 : BITS>(w + g * unit_bytes(WIDE ? 8 : BITS), chunk);
+    if constexpr (std::is_same_v<S, Q6>) {  // each half: acc = fma(D - 32 S, s dx, acc)
+      const __m512 s0 = q6_scales16(d, g, 0), s1 = q6_scales16(d, g, 1);
+#pragma GCC unroll 16
+      for (int t = 0; t < MT; ++t) {
+        const int64_t r = first + t;
+        const int8_t* p = a.p + r * a.kp + g * G;
+        const int32_t* sums = a.halves + (r * groups + g) * 2;
+        __m512i lo = _mm512_set1_epi32(sums[0]), hi = _mm512_set1_epi32(sums[1]);
+        for (int c = 0; c < 4; ++c) lo = dpbusd512(lo, chunk[c], _mm512_set1_epi32(word(p + 4 * c)));
+        for (int c = 4; c < 8; ++c) hi = dpbusd512(hi, chunk[c], _mm512_set1_epi32(word(p + 4 * c)));
+        const __m512 dx = _mm512_set1_ps(a.dx[r * groups + g]);
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(s0, dx), acc[t]);
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(s1, dx), acc[t]);
+      }
+      continue;
+    }
+    const __m512 dg = params16<S>(d, g);
+    const __m512 mg = std::is_same_v<S, Centered>
+                          ? _mm512_mul_ps(dg, _mm512_set1_ps(center(BITS)))
+                          : params16<S>(m, g);
+#pragma GCC unroll 16
+    for (int t = 0; t < MT; ++t) {
+      const int64_t r = first + t;
+      const int8_t* p = a.p + r * a.kp + g * G;
+      // D as two chains of 4 products (half the dependent latency; integer sums, D exact)
+      __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) lo = dpbusd512(lo, chunk[c], _mm512_set1_epi32(word(p + 4 * c)));
+      for (int c = 4; c < 8; ++c) hi = dpbusd512(hi, chunk[c], _mm512_set1_epi32(word(p + 4 * c)));
+      const __m512i dot = _mm512_add_epi32(lo, hi);
+      const __m512 scale = _mm512_mul_ps(dg, _mm512_set1_ps(a.dx[r * groups + g]));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[t]);
+      acc[t] = _mm512_fmadd_ps(mg, _mm512_set1_ps(a.sx[r * groups + g]), acc[t]);
+    }
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << width) - 1);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+  for (int t = 0; t < MT; ++t) {
+    const __m512 out = bias ? _mm512_add_ps(acc[t], b) : acc[t];
+    _mm512_mask_storeu_ps(y + (first + t) * ldy, mask, out);
+  }
+}
+#else
+// One tile's group u -> half `half`'s 8 chunks of codes as bytes (as the 512-bit path's).
+template <int BITS>
+inline void unpack(const uint8_t* u, int half, __m256i chunk[8]) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int c = 0; c < (BITS == 8 ? 8 : 4); ++c) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 64 * c + 32 * half));
+    if constexpr (BITS == 8) {
+      chunk[c] = v;
+    } else {
+      chunk[c] = _mm256_and_si256(v, low);
+      chunk[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    }
+  }
+  for (int b = 4; b < (BITS == 8 ? 4 : BITS); ++b) {  // this half's 32 bits of word c
+    for (int c = 0; c < 8; ++c) {
+      uint32_t bits;
+      std::memcpy(&bits, u + 256 + 64 * (b - 4) + 8 * c + 4 * half, 4);
+      chunk[c] = _mm256_or_si256(chunk[c], plane_bytes(bits, static_cast<char>(1 << b)));
+    }
+  }
+}
+
+template <int BITS>
+inline void widen(const uint8_t* w, int64_t groups, uint8_t* out) {
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int half = 0; half < 2; ++half) {
+      __m256i chunk[8];
+      unpack<BITS>(w + g * unit_bytes(BITS), half, chunk);
+      for (int c = 0; c < 8; ++c) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 512 * g + 64 * c + 32 * half),
+                            chunk[c]);
+      }
+    }
+  }
+}
+
+// 256 bits: the tile as two halves of 8 rows, each the same steps as the 512-bit path's lanes.
+// (BITS: the codes' values, what dot_add needs; WIDE: stored as `widen`'s 8-bit units.)
+template <int BITS, int MT, typename S, bool WIDE>
+inline void tile(const uint8_t* w, const uint8_t* d, const uint8_t* m, const Activations& a,
+                 int64_t first, float* y, int64_t ldy, int64_t width, const float* bias) {
+  const int64_t groups = a.kp / G;
+  for (int half = 0; half < 2 && 8 * half < width; ++half) {
+    __m256 acc[MT];
+    for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256i chunk[8];
+      unpack<WIDE ? 8 : BITS>(w + g * unit_bytes(WIDE ? 8 : BITS), half, chunk);
+      if constexpr (std::is_same_v<S, Q6>) {  // as the 512-bit path
+        const __m256 s0 = q6_scales8(d, g, 0, half), s1 = q6_scales8(d, g, 1, half);
+        for (int t = 0; t < MT; ++t) {
+          const int64_t r = first + t;
+          const int8_t* p = a.p + r * a.kp + g * G;
+          const int32_t* sums = a.halves + (r * groups + g) * 2;
+          __m256i lo = _mm256_set1_epi32(sums[0]), hi = _mm256_set1_epi32(sums[1]);
+          for (int c = 0; c < 4; ++c) {
+            lo = dot_add<BITS>(lo, chunk[c], _mm256_set1_epi32(word(p + 4 * c)));
+            hi = dot_add<BITS>(hi, chunk[c + 4], _mm256_set1_epi32(word(p + 4 * c + 16)));
+          }
+          const __m256 dx = _mm256_set1_ps(a.dx[r * groups + g]);
+          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(s0, dx), acc[t]);
+          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(s1, dx), acc[t]);
+        }
+        continue;
+      }
+      const __m256 dg = params8<S>(d, g, half);
+      const __m256 mg = std::is_same_v<S, Centered>
+                            ? _mm256_mul_ps(dg, _mm256_set1_ps(center(BITS)))
+                            : params8<S>(m, g, half);
+      for (int t = 0; t < MT; ++t) {
+        const int64_t r = first + t;
+        const int8_t* p = a.p + r * a.kp + g * G;
+        __m256i dot = _mm256_setzero_si256();
+        for (int c = 0; c < 8; ++c) {
+          dot = dot_add<BITS>(dot, chunk[c], _mm256_set1_epi32(word(p + 4 * c)));
+        }
+        const __m256 scale = _mm256_mul_ps(dg, _mm256_set1_ps(a.dx[r * groups + g]));
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[t]);
+        acc[t] = _mm256_fmadd_ps(mg, _mm256_set1_ps(a.sx[r * groups + g]), acc[t]);
+      }
+    }
+    const int64_t n = std::min<int64_t>(8, width - 8 * half);
+    for (int t = 0; t < MT; ++t) {
+      alignas(32) float out[8];
+      _mm256_store_ps(out, acc[t]);
+      float* row = y + (first + t) * ldy + 8 * half;
+      for (int64_t j = 0; j < n; ++j) row[j] = bias ? out[j] + bias[8 * half + j] : out[j];
+    }
+  }
+}
+#endif
+#endif
+
+}  // namespace
+}  // namespace tandem
