@@ -78,9 +78,9 @@ class EngineConfig:
     # Speculative decoding: "ngram" (prompt lookup), "suffix" (suffix decoding over the
     # request's own text and its tenant's recent text: spec.suffix) or "draft" (a draft model;
     # setting draft_model alone implies it; with "suffix", suffix drafts where they score and the
-    # draft model for the rest). num_speculative_tokens is the default k per request (None: 15
-    # for "suffix", else 4; SamplingParams.num_speculative_tokens overrides it; 0 turns
-    # speculation off for one).
+    # draft model for the rest). num_speculative_tokens is the default k per request (None: 31
+    # for "suffix" (15 beside a draft model), else 4; SamplingParams.num_speculative_tokens
+    # overrides it; 0 turns speculation off for one).
     # adaptive_speculation: num_speculative_tokens becomes a cap, and each step every request
     # without its own k gets the k that maximises the expected tokens per second (spec.adaptive).
     speculative_method: str | None = None

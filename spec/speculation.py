@@ -24,7 +24,7 @@ from spec.proposer import ForcedTokens, NgramProposer, Proposer
 from spec.stats import SpecStats
 from spec.suffix import SuffixProposer
 
-DEFAULT_K = 4  # drafts per step for n-gram and draft models (suffix: MAX_SPECULATIVE_TOKENS)
+DEFAULT_K = 4  # drafts per step for n-gram and draft models (suffix: MAX_PREDICTED_DRAFTS)
 
 
 class Speculation:
@@ -104,7 +104,8 @@ class Speculation:
         scheduler reads): its forced tokens and its prediction's drafts, then its own k if it set
         one, else the engine's (a fixed k, or the adaptive plan capped by it; in a closed batch,
         knowing how long the requests outside the plan surely run); in all at most
-        MAX_PREDICTED_DRAFTS with a prediction's drafts, else MAX_SPECULATIVE_TOKENS."""
+        MAX_PREDICTED_DRAFTS with a prediction's drafts, else the engine's k or
+        MAX_SPECULATIVE_TOKENS, the larger (suffix's default k is MAX_PREDICTED_DRAFTS)."""
         closed = self._batch_closed(running, waiting)
         self.wanted, self._forced, self._predicted = {}, {}, {}
         adaptive = []
@@ -142,7 +143,9 @@ class Speculation:
 
     def _cap(self, request: Request) -> int:
         """The most draft slots the request may take this step."""
-        return MAX_PREDICTED_DRAFTS if request in self._predicted else MAX_SPECULATIVE_TOKENS
+        if request in self._predicted:
+            return MAX_PREDICTED_DRAFTS
+        return max(self.k, MAX_SPECULATIVE_TOKENS)  # suffix's default k may pass 15
 
     def _plan_prediction(self, request: Request, prediction: Prediction) -> None:
         """Up to MAX_PREDICTED_DRAFTS drafts with the forced ones: a prediction, once in step
@@ -321,7 +324,11 @@ def build_speculation(config: EngineConfig, draft_runner: ModelRunner | None) ->
             max_cached_tokens=config.suffix_max_cached_tokens,
             fallback=proposer,
         )
-        k = MAX_SPECULATIVE_TOKENS if k is None else k
+        # A match can run on through a whole repeated function or tool result, so suffix
+        # drafts up to a prediction's step by default (the adaptive plan sizes each step); a
+        # draft model beside it (sequential passes, one per draft) keeps a proposer's 15.
+        if k is None:
+            k = MAX_PREDICTED_DRAFTS if draft_runner is None else MAX_SPECULATIVE_TOKENS
     adaptive = None
     if proposer is not None and config.adaptive_speculation:
         adaptive = AdaptiveSpeculation(uses_draft_model=draft_runner is not None)

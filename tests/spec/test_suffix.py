@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.config import MAX_PREDICTED_DRAFTS, MAX_SPECULATIVE_TOKENS
 from engine.request import Request, RequestStatus
 from spec.suffix import HASH_BLOCK, Draft, SuffixCache, SuffixProposer
 
@@ -111,6 +112,29 @@ def test_two_tenants_on_the_engine_never_draft_from_each_other():
     assert b_after_a == drafts_of(fresh, "b", second)
     assert drafts_of(llm, "a", second) != b_after_a  # within a tenant, a's first turn counts
     assert len(llm.engine.speculation.proposer.cache.tenants) == 2
+
+
+def test_a_long_match_drafts_up_to_a_predictions_step():
+    """A conversation that resends code: once the answer is in step with it, suffix's drafts
+    run past a proposer's 15 (its default k is MAX_PREDICTED_DRAFTS, 31), never past 31, and the
+    output is plain greedy's."""
+    code = "".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n\n" for i in range(12))
+    params = SamplingParams(temperature=0.0, max_tokens=96)
+    plain = LLM(SMOL, num_threads=1)
+    llm = LLM(SMOL, speculative_method="suffix", adaptive_speculation=False, num_threads=1)
+    prompt = llm.apply_chat_template([{"role": "user", "content": f"Repeat this code:\n{code}"}])
+    proposer, lengths = llm.engine.speculation.proposer, []
+
+    def spy(r, drafts, k):
+        found = draft(r, drafts, k)
+        lengths.append(len(found.token_ids))
+        return found
+
+    draft, proposer.draft = proposer.draft, spy
+    got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == plain.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.engine.speculation.k == MAX_PREDICTED_DRAFTS
+    assert max(lengths) > MAX_SPECULATIVE_TOKENS and max(lengths) <= MAX_PREDICTED_DRAFTS
 
 
 # ---- memory -----------------------------------------------------------------------------------
