@@ -57,8 +57,7 @@ float softmax_unnormalized(float* s, int64_t n) {
     for (int c = 0; c < 4; ++c) m[c] = _mm512_max_ps(m[c], _mm512_loadu_ps(s + j + 16 * c));
   }
   const __m512 m16 = _mm512_max_ps(_mm512_max_ps(m[0], m[1]), _mm512_max_ps(m[2], m[3]));
-  vmax = _mm256_max_ps(_mm512_castps512_ps256(m16),
-                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(m16), 1)));
+  vmax = _mm256_max_ps(_mm512_castps512_ps256(m16), upper8(m16));
 #endif
   for (; j + 8 <= n; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + j));
   alignas(32) float lanes[8];
@@ -74,7 +73,7 @@ float softmax_unnormalized(float* s, int64_t n) {
     const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + i), wtop));
     _mm512_storeu_ps(s + i, e);
     acc = _mm256_add_ps(acc, _mm512_castps512_ps256(e));
-    acc = _mm256_add_ps(acc, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+    acc = _mm256_add_ps(acc, upper8(e));
   }
 #endif
   for (; i + 8 <= n; i += 8) {

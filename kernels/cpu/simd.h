@@ -65,47 +65,68 @@ inline int32_t hsum_i32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-// e^x for 8 floats: x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial
-// (relative error < 2e-7), 2^n through the exponent bits. Inputs below -87 give 0. A NaN
-// stays NaN (max/min return their second operand when either is NaN, so x goes second): a
-// NaN query (a corrupt adapter) must reach the logits, where its request is failed.
-inline __m256 exp256(__m256 x) {
-  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
-  x = _mm256_min_ps(_mm256_set1_ps(88.0f), x);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 720);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
+// The vector operations exp_lanes takes, 8 lanes a vector (Lanes16 below: 16).
+struct Lanes8 {
+  using V = __m256;
+  static V set1(float a) { return _mm256_set1_ps(a); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V min(V a, V b) { return _mm256_min_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V fnmadd(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }
+  static V round(V a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static V pow2(V n) {  // 2^n for integral n, through the exponent bits
+    const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
+  }
+};
 
 #if defined(__AVX512F__)
-// exp256 at 16 lanes: the same operations lane by lane, so the same bits.
-inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
-  x = _mm512_min_ps(_mm512_set1_ps(88.0f), x);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+struct Lanes16 {
+  using V = __m512;
+  static V set1(float a) { return _mm512_set1_ps(a); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static V min(V a, V b) { return _mm512_min_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V fnmadd(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
+  static V round(V a) {
+    return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  static V pow2(V n) {
+    const __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
+  }
+};
+
+// The upper 8 lanes of 16.
+inline __m256 upper8(__m512 v) {
+  return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
 }
+#endif
+
+// e^x lane by lane: x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial
+// (relative error < 2e-7), 2^n through the exponent bits. Inputs below -87 give 0. A NaN
+// stays NaN (max/min return their second operand when either is NaN, so x goes second): a
+// NaN query (a corrupt adapter) must reach the logits, where its request is failed. Written
+// once for every width, so exp256 and exp512 give the same bits lane for lane.
+template <class L>
+inline typename L::V exp_lanes(typename L::V x) {
+  x = L::max(L::set1(-87.0f), x);
+  x = L::min(L::set1(88.0f), x);
+  const typename L::V n = L::round(L::mul(x, L::set1(1.44269504088896341f)));
+  typename L::V r = L::fnmadd(n, L::set1(0.693359375f), x);  // ln2 in two parts
+  r = L::fnmadd(n, L::set1(-2.12194440e-4f), r);
+  typename L::V p = L::set1(1.0f / 720);
+  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) {
+    p = L::fmadd(p, r, L::set1(c));
+  }
+  return L::mul(p, L::pow2(n));
+}
+
+inline __m256 exp256(__m256 x) { return exp_lanes<Lanes8>(x); }
+#if defined(__AVX512F__)
+inline __m512 exp512(__m512 x) { return exp_lanes<Lanes16>(x); }
 #endif
 
 #else
