@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import KV_DTYPES as KV_CACHE_DTYPES
+from engine.models import huge_pages
 from engine.models.quantized import QuantizedLinear as Quantized
 from kernels.kv_int8 import row_bytes
 
@@ -118,15 +119,15 @@ class Int8Caches:
 
 def allocate(cfg, num_blocks: int, block_size: int, fmt: torch.dtype, device):
     """Float: a tensor [num_layers, 2 (K, V), Hkv, num_blocks, block_size, D]; int8:
-    Int8Caches. Zeroed."""
+    Int8Caches. Zeroed; on CPU in huge pages (engine.models.huge_pages: attention streams it)."""
     shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size)
     if fmt == torch.int8:
         k, v = (
-            torch.zeros(*shape, row_bytes(cfg.head_dim, is_key), dtype=fmt, device=device)
+            huge_pages.zeros(*shape, row_bytes(cfg.head_dim, is_key), dtype=fmt, device=device)
             for is_key in (True, False)
         )
         return Int8Caches(k, v)
-    return torch.zeros(shape[0], 2, *shape[1:], cfg.head_dim, dtype=fmt, device=device)
+    return huge_pages.zeros(shape[0], 2, *shape[1:], cfg.head_dim, dtype=fmt, device=device)
 
 
 def copy_blocks(caches, src: torch.Tensor, dst: torch.Tensor) -> None:

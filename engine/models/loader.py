@@ -15,7 +15,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.config import QUANTIZATIONS, EngineConfig
-from engine.models import kv_cache
+from engine.models import huge_pages, kv_cache
 from engine.models.architectures import Checkpoint, architecture
 from engine.models.causal_lm import CausalLM
 from engine.models.config import ModelConfig
@@ -149,6 +149,8 @@ def load_model(
         elif pack_weights and onednn_linear_available():
             model.pack_linear_weights()
     model.fuse()
+    if device.type == "cpu":  # decode streams the weights: from huge pages, read faster
+        huge_pages.move_storages(huge_pages.module_tensors(model))
     release_freed_memory()  # the checkpoint's copies, the unpacked or unsplit weights
     return model, cfg, hf_config
 
