@@ -268,20 +268,12 @@ def test_gguf_weights_equal_transformers_dequantized_checkpoint():
 
 
 def held_bytes(model) -> int:
-    """Bytes of every tensor storage the model's modules hold, each storage counted once."""
-    storages = {}
+    """Bytes of every tensor storage the model's modules hold (huge_pages.module_tensors: the
+    tensors the loader moves), each storage counted once."""
+    from engine.models.huge_pages import module_tensors
 
-    def visit(value) -> None:
-        if isinstance(value, torch.Tensor):
-            storage = value.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-        elif isinstance(value, (tuple, list, dict)):
-            for item in value.values() if isinstance(value, dict) else value:
-                visit(item)
-
-    for module in model.modules():
-        visit(vars(module))
-    return sum(storages.values())
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in module_tensors(model)}
+    return sum(s.nbytes() for s in storages.values())
 
 
 @pytest.mark.skipif(not tandem_kernel_available(), reason="no C++ kernel")
