@@ -268,7 +268,23 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def run(state: ServerState, host: str, port: int, with_ui: bool) -> int:
+def listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the engine loads: a taken --port fails at once (not
+    after minutes of loading), and nothing the load opens (tensor parallelism's rendezvous and
+    gloo's ephemeral listeners) can take the port first. Port 0 lets the kernel pick one."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        why = exc.strerror or exc
+        raise SystemExit(f"--port {port}: cannot listen on {host}:{port} ({why})") from None
+    return sock
+
+
+def run(state: ServerState, sock: socket.socket, with_ui: bool) -> int:
     import uvicorn
 
     from engine.entrypoints.openai.server import build_app
@@ -278,25 +294,28 @@ def run(state: ServerState, host: str, port: int, with_ui: bool) -> int:
         from playground.ui import mount_playground
 
         app = mount_playground(app, state)
-    port = port or free_port(host)
-    where = f"http://{host}:{port}"
+    host, port = sock.getsockname()[:2]
+    where = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     print(f"tandem: serving {state.model_name} at {where}/v1", file=sys.stderr, flush=True)
     if with_ui:
         print(f"tandem: playground at {where}/", flush=True)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
     finally:
+        sock.close()
         state.engine.shutdown()
     return 0
 
 
 def serve_main(args: argparse.Namespace) -> int:
-    return run(build_state(args, parse_loras(args.lora)), args.host, args.port, with_ui=False)
+    sock = listen(args.host, args.port)
+    return run(build_state(args, parse_loras(args.lora)), sock, with_ui=False)
 
 
 def playground_main(args: argparse.Namespace) -> int:
     if args.data_parallel_size != 1:
         raise SystemExit("the playground draws one engine; run replicas with `tandem serve`")
+    sock = listen(args.host, args.port)
     adapters = parse_loras(args.lora)
     if not adapters and not args.no_demo_adapters:
         from playground.demo_adapters import write_demo_adapters
@@ -304,4 +323,4 @@ def playground_main(args: argparse.Namespace) -> int:
         adapters = write_demo_adapters(args.model)
     if args.speculative_method is None and args.draft_model is None:
         args.speculative_method = "ngram"  # something to watch in the speculation view
-    return run(build_state(args, adapters), args.host, args.port, with_ui=True)
+    return run(build_state(args, adapters), sock, with_ui=True)

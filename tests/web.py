@@ -69,23 +69,33 @@ def tiny_serving(model_dir, **fields) -> Iterator[tuple[str, ServerState]]:
 
 @contextmanager
 def command_line(command: str, model: str, *extra: str) -> Iterator[tuple[str, subprocess.Popen]]:
-    """`tandem <command>` as a user starts it (a process on a free port, one thread, the test
-    API key): yields (its URL, the process) once /health answers 200; stopped after."""
-    port = free_port()
+    """`tandem <command>` as a user starts it (one thread, the test API key, --port 0: the
+    server binds a port of the kernel's choosing before it loads, so no other socket can take
+    it, and prints it): yields (its URL, the process) once /health answers 200; stopped after."""
     args = [sys.executable, "-m", "playground.cli", command, "--model", model]
-    args += ["--port", str(port), "--threads", "1", "--api-key", API_KEY, *extra]
+    args += ["--port", "0", "--threads", "1", "--api-key", API_KEY, *extra]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    lines: list[str] = []
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
         deadline = time.monotonic() + 120
         while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
+            assert proc.poll() is None or reader.is_alive(), "".join(lines)
+            served = [line.split(" at ")[-1].strip() for line in list(lines) if "serving" in line]
+            if served:
+                url = served[0].removesuffix("/v1")
+                try:
+                    if httpx.get(url + "/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+            assert time.monotonic() < deadline, "server did not come up: " + "".join(lines)
             time.sleep(0.2)
         yield url, proc
     finally:

@@ -155,6 +155,26 @@ def test_draft_model_server_is_lossless(tiny_draft, tiny_llama):
 
 
 @pytest.mark.parametrize("command", ["serve", "playground"])
+def test_a_taken_port_fails_before_the_model_loads(tmp_path, command):
+    """The server binds its port first: a taken --port ends the command at once with an error
+    naming the port, before the (here missing) model is looked at."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = [sys.executable, "-m", "playground.cli", command, "--port", str(port)]
+        args += ["--model", str(tmp_path / "no-such-model")]
+        done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert f"--port {port}: cannot listen on 127.0.0.1:{port}" in done.stderr
+    assert "no-such-model" not in done.stderr
+
+
+@pytest.mark.parametrize("command", ["serve", "playground"])
 def test_command_line_starts_and_answers(tiny_llama, command):
     """`tandem serve` / `tandem playground` as a user starts them: a process on a free port."""
     with command_line(command, str(tiny_llama)) as (url, _):
