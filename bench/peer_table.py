@@ -10,7 +10,9 @@ against the machine's read bandwidth, and resident memory against the file.
   scales and offsets and the LM head; embedding rows are read a few at a time) times its
   decode rate, beside what one `sum` over 1 GiB of float32 (in huge pages, as the weights) reads
   per second on as many threads;
-- memory: what loading adds to a fresh process's RSS after its libraries and tokenizer.
+- memory: what loading adds to a fresh process's memory after its libraries and tokenizer:
+  private (anonymous) pages, and in brackets all of RSS (which also counts the pages of torch's
+  code the load runs for the first time, shared with other processes).
 Sides alternate, a warm-up each, median (min-max) of --repeats; prefix caching off.
 """
 
@@ -113,7 +115,7 @@ def model_rows(name: str, gguf: Path, bin_dir: Path | None, repeats: int) -> lis
 SIDES = ("decode", "llama_decode", "prompt", "llama_prompt")
 
 
-def table_line(name: str, size: int, row: dict, bandwidth: float, rss: float) -> str:
+def table_line(name: str, size: int, row: dict, bandwidth: float, memory: dict) -> str:
     cells = {}
     for side in ("decode", "prompt"):
         cells[side] = spread(row[side])
@@ -123,7 +125,8 @@ def table_line(name: str, size: int, row: dict, bandwidth: float, rss: float) ->
     gbs = row["bytes"] * statistics.median(row["decode"]) / 1e9
     return (
         f"| {name} ({size / 1e6:.0f} MB) | {row['threads']} | {cells['decode']} | "
-        f"{cells['prompt']} | {gbs:.1f} ({gbs / bandwidth:.0%}) | {rss:.2f}x |"
+        f"{cells['prompt']} | {gbs:.1f} ({gbs / bandwidth:.0%}) | "
+        f"{memory['private'] / size:.2f}x ({memory['rss'] / size:.2f}x) |"
     )
 
 
@@ -137,7 +140,8 @@ def print_table(
     print(f"read bandwidth (torch sum over 1 GiB): {bandwidth[1]:.1f} GB/s on 1 thread, "
           f"{bandwidth[2]:.1f} on 2")  # fmt: skip
     print("| model (GGUF) | threads | decode tok/s: engine / llama.cpp | prompt 512 tok/s: "
-          "engine / llama.cpp | decode GB/s (of bandwidth) | load RSS / file |")  # fmt: skip
+          "engine / llama.cpp | decode GB/s (of bandwidth) | load memory / file: "
+          "private (RSS) |")  # fmt: skip
     print("|---|---|---|---|---|---|")
     result = {}
     for name in models or EMBEDDED_MODELS:
@@ -147,11 +151,12 @@ def print_table(
             print(f"| {name} | not installed: {EMBEDDED_MODELS[name].pip_command} |")
             continue
         size = gguf.stat().st_size
-        rss = load_rss(name, "auto") / size
+        memory = load_rss(name, "auto")
         short = name.split("-instruct")[0]
-        result[f"{short}_rss_x_file"] = rss
+        result[f"{short}_rss_x_file"] = memory["rss"] / size
+        result[f"{short}_private_x_file"] = memory["private"] / size
         for row in model_rows(name, gguf, bin_dir, repeats):
-            print(table_line(name, size, row, bandwidth[row["threads"]], rss), flush=True)
+            print(table_line(name, size, row, bandwidth[row["threads"]], memory), flush=True)
             if bin_dir:
                 med = {k: statistics.median(row[k]) for k in SIDES}
                 t = row["threads"]

@@ -190,22 +190,29 @@ torch.set_num_threads(1)
 path = resolve_model(sys.argv[1], dense=sys.argv[2] == "none")
 AutoTokenizer.from_pretrained(str(path)), AutoConfig.from_pretrained(str(path))
 release_freed_memory()  # (else the tokenizer's freed pages, trimmed by the load, count against it)
-rss0 = psutil.Process().memory_info().rss
+def private():  # anonymous resident pages: the process's own data, not mapped files' pages
+    status = open("/proc/self/status").read()
+    return int(status.split("RssAnon:")[1].split()[0]) * 1024
+rss0, private0 = psutil.Process().memory_info().rss, private()
 model = load_model(path, quantization=None if sys.argv[2] == "none" else sys.argv[2])
-print(json.dumps({"rss": psutil.Process().memory_info().rss - rss0}))
+rss, private = psutil.Process().memory_info().rss - rss0, private() - private0
+print(json.dumps({"rss": rss, "private": private}))
 """
 
 
-def load_rss(model: str, quantization: str) -> int:
-    """What loading the model's weights adds to a process's RSS, in a fresh process whose
-    libraries and tokenizer are loaded first."""
+def load_rss(model: str, quantization: str) -> dict[str, int]:
+    """What loading the model's weights adds to a process's memory, in a fresh process whose
+    libraries and tokenizer are loaded first: "rss", all resident pages, and "private", its
+    anonymous ones (the weights and everything else the load allocates), which leave out the
+    pages of torch's code the load runs for the first time (about 10 MB: file-backed, shared
+    with every other torch process, and touched by any first request anyway)."""
     out = subprocess.run(
         [sys.executable, "-c", RSS_PROBE, model, quantization],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
-    return json.loads(out.strip().splitlines()[-1])["rss"]
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def rss_model(name: str) -> str:
@@ -282,13 +289,17 @@ def main(argv: list[str] | None = None) -> int:
     memory_model = rss_model(args.rss_model)
     model_gguf = gguf_file(resolve_model(memory_model, dense=False))
     for quantization in ("auto", "none"):
-        rss = load_rss(memory_model, quantization)
+        memory = load_rss(memory_model, quantization)
+        rss, private = memory["rss"], memory["private"]
+        size = model_gguf.stat().st_size
         print(
             f"load RSS {memory_model} quantization={quantization}: {rss / 1e6:.0f} MB "
-            f"(x{rss / model_gguf.stat().st_size:.2f} the GGUF file)"
+            f"(x{rss / size:.2f} the GGUF file), private {private / 1e6:.0f} MB "
+            f"(x{private / size:.2f})"
         )
         if quantization == "auto":
-            result["rss_x_gguf"] = rss / model_gguf.stat().st_size
+            result["rss_x_gguf"] = rss / size
+            result["private_x_gguf"] = private / size
     print("RESULT " + " ".join(f"{k}={v:.2f}" for k, v in result.items()))
     return 0 if equal else 1
 
