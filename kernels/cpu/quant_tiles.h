@@ -39,12 +39,6 @@ struct Activations {
   int64_t kp;
 };
 
-inline int32_t word(const int8_t* p) {  // four activation codes as one int32 (to broadcast)
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-
 #if TANDEM_AVX512
 // One tile's group u -> its 8 chunks of codes as bytes (the 4-bit plane's nibbles, plus 16,
 // 32 where the higher planes' bits are set).
@@ -175,7 +169,7 @@ inline void widen(const uint8_t* w, int64_t groups, uint8_t* out) {
 }
 
 // 256 bits: the tile as two halves of 8 rows, each the same steps as the 512-bit path's lanes.
-// (BITS: the codes' values, what dot_add needs; WIDE: stored as `widen`'s 8-bit units.)
+// (BITS: the codes' values, what dot_chunks needs; WIDE: stored as `widen`'s 8-bit units.)
 template <int BITS, int MT, typename S, bool WIDE>
 inline void tile(const uint8_t* w, const uint8_t* d, const uint8_t* m, const Activations& a,
                  int64_t first, float* y, int64_t ldy, int64_t width, const float* bias) {
@@ -194,11 +188,8 @@ inline void tile(const uint8_t* w, const uint8_t* d, const uint8_t* m, const Act
           const int64_t r = first + t;
           const int8_t* p = a.p + r * a.kp + g * G;
           const int32_t* sums = a.halves + (r * groups + g) * 2;
-          __m256i lo = _mm256_set1_epi32(sums[0]), hi = _mm256_set1_epi32(sums[1]);
-          for (int c = 0; c < 4; ++c) {
-            lo = dot_add<BITS>(lo, chunk[c], _mm256_set1_epi32(word(p + 4 * c)));
-            hi = dot_add<BITS>(hi, chunk[c + 4], _mm256_set1_epi32(word(p + 4 * c + 16)));
-          }
+          const __m256i lo = dot_chunks<BITS, 4>(_mm256_set1_epi32(sums[0]), chunk, p);
+          const __m256i hi = dot_chunks<BITS, 4>(_mm256_set1_epi32(sums[1]), chunk + 4, p + 16);
           const __m256 dx = _mm256_set1_ps(a.dx[r * groups + g]);
           acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(s0, dx), acc[t]);
           acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(s1, dx), acc[t]);
@@ -212,10 +203,7 @@ inline void tile(const uint8_t* w, const uint8_t* d, const uint8_t* m, const Act
       for (int t = 0; t < MT; ++t) {
         const int64_t r = first + t;
         const int8_t* p = a.p + r * a.kp + g * G;
-        __m256i dot = _mm256_setzero_si256();
-        for (int c = 0; c < 8; ++c) {
-          dot = dot_add<BITS>(dot, chunk[c], _mm256_set1_epi32(word(p + 4 * c)));
-        }
+        const __m256i dot = dot_chunks<BITS, 8>(_mm256_setzero_si256(), chunk, p);
         const __m256 scale = _mm256_mul_ps(dg, _mm256_set1_ps(a.dx[r * groups + g]));
         acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[t]);
         acc[t] = _mm256_fmadd_ps(mg, _mm256_set1_ps(a.sx[r * groups + g]), acc[t]);

@@ -168,6 +168,18 @@ for weight in weights:
     ids = torch.tensor([0, 9, 39])
     got = QuantizedEmbedding(weight, "cpu", torch.float32)(ids)
     assert torch.equal(got, weight.dequantize()[ids])
+# The largest integer sums: every code at its top, every activation code +-127 (a constant x);
+# AVX2 adds several chunks' int16 pairs before widening them, as far as these stay below 2^15.
+d = torch.full((40, 16), 1 / 64)
+top = [QuantizedWeight.from_codes(torch.full((40, 512), 2**b - 1), d, -d, b) for b in (4, 5, 6, 8)]
+q6_scales = torch.full((40, 32), 127).to(torch.int8)
+blocks = SuperBlocks(torch.full((40, 2), 1 / 64).half(), q6_scales, None, None)
+top.append(QuantizedWeight.from_super_blocks(torch.full((40, 512), 63), blocks, 6))
+for weight in top:
+    layer = QuantizedLinear(weight, None, backend="tandem")
+    for sign in (1, -1):
+        x = torch.full((9, 512), float(sign))
+        assert torch.equal(layer(x), reference_matmul(x, weight, "tandem")), (weight.bits, sign)
 print("ok")
 """
 
