@@ -190,12 +190,11 @@ torch.set_num_threads(1)
 path = resolve_model(sys.argv[1], dense=sys.argv[2] == "none")
 AutoTokenizer.from_pretrained(str(path)), AutoConfig.from_pretrained(str(path))
 release_freed_memory()  # (else the tokenizer's freed pages, trimmed by the load, count against it)
-def private():  # anonymous resident pages: the process's own data, not mapped files' pages
-    status = open("/proc/self/status").read()
-    return int(status.split("RssAnon:")[1].split()[0]) * 1024
-rss0, private0 = psutil.Process().memory_info().rss, private()
+before = psutil.Process().memory_info()
 model = load_model(path, quantization=None if sys.argv[2] == "none" else sys.argv[2])
-rss, private = psutil.Process().memory_info().rss - rss0, private() - private0
+after = psutil.Process().memory_info()
+rss = after.rss - before.rss
+private = rss - (after.shared - before.shared)  # less the mapped files' pages: anonymous ones
 print(json.dumps({"rss": rss, "private": private}))
 """
 
@@ -203,9 +202,10 @@ print(json.dumps({"rss": rss, "private": private}))
 def load_rss(model: str, quantization: str) -> dict[str, int]:
     """What loading the model's weights adds to a process's memory, in a fresh process whose
     libraries and tokenizer are loaded first: "rss", all resident pages, and "private", its
-    anonymous ones (the weights and everything else the load allocates), which leave out the
-    pages of torch's code the load runs for the first time (about 10 MB: file-backed, shared
-    with every other torch process, and touched by any first request anyway)."""
+    anonymous ones (what the load allocates: on every CPU path the weights are copied out of the
+    file), which leave out mapped files' pages: torch's code the load runs for the first time
+    (about 10 MB, shared with every other torch process and touched by any first request
+    anyway), and a checkpoint file still mapped after the load (the dense path's safetensors)."""
     out = subprocess.run(
         [sys.executable, "-c", RSS_PROBE, model, quantization],
         capture_output=True,
@@ -288,10 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     result["selfspec_speedup"] = selfspec / plain
     memory_model = rss_model(args.rss_model)
     model_gguf = gguf_file(resolve_model(memory_model, dense=False))
+    size = model_gguf.stat().st_size
     for quantization in ("auto", "none"):
         memory = load_rss(memory_model, quantization)
         rss, private = memory["rss"], memory["private"]
-        size = model_gguf.stat().st_size
         print(
             f"load RSS {memory_model} quantization={quantization}: {rss / 1e6:.0f} MB "
             f"(x{rss / size:.2f} the GGUF file), private {private / 1e6:.0f} MB "

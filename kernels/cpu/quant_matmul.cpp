@@ -13,8 +13,8 @@
 //     acc = fma(float(D_h - 32 S_h), s_h * dx, acc),   S_h = sum_{i in h} p_i
 // (D_h - 32 S_h an exact integer). The integers are exact on every instruction set (VNNI's
 // u8 x s8 dot product, or AVX2's maddubs + madd: codes up to 6 bits keep the i16 sums below
-// 2^15, 8-bit codes are split in two nibbles; simd.h dot_chunks), and the float steps are the same instructions,
-// so a row's result does not depend on how many rows share the call, how they are tiled,
+// 2^15, 8-bit codes are split in two nibbles; simd.h dot_chunks), and the float steps are the
+// same instructions, so a row's result does not depend on how many rows share the call, how they are tiled,
 // which thread runs them, or which of the three paths built it.
 //
 // Layout (built by engine/models/quantized.py `_pack_tandem`): output rows in tiles of 16 (N
