@@ -8,8 +8,8 @@ engine/models/gguf_blocks.py). d and m are float32 here, exact (every block's ar
 for K-quants a float16 times a small integer: `SuperBlocks`). The tandem kernel holds them as
 the file does: float16, or a K-quant's float16 d (and dmin) per 256 inputs with its sub-scales
 (and mins) as bytes, forming d x sub-scale in float32 as it reads them (the same bits as a
-float32 table). Its codes: 4 bits two to a byte, 5 and 6 bits as that plus a plane per higher
-bit, 8 bits one to a byte.
+float32 table). Its codes: 4 bits two to a byte, 5 and 6 bits as that plus their higher bits
+byte-sliced (8 or 4 codes' to a byte), 8 bits one to a byte.
 
 `QuantizedLinear` runs y = x W^T + b with the first of these that runs here:
 - "tandem": our C++ kernel (kernels/cpu/quant_matmul.cpp): activations quantized per 32 values
@@ -365,7 +365,8 @@ def _pack_tandem(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, t
     (zero rows pad the last), each tile's group a unit of 64-byte chunks, chunk c holding row
     j's codes for inputs 4c..4c+3 at bytes 4j..4j+3 (8 chunks; 4-bit codes: chunk c in the low
     nibbles of 4 chunks, chunk c + 4 in the high ones; 5- and 6-bit codes: their low 4 bits so,
-    then a 64-byte plane per higher bit, chunk c's byte b at bit b of the plane's word c).
+    then their hb = bits - 4 higher bits in hb vectors of 64 bytes, chunk c's byte b's at bit
+    hb (c % (8 / hb)) of byte b of vector c / (8 / hb)).
     Returns codes [T, G, unit bytes] and scales and offsets: [T, G, TILE] float16 where every
     value is exact in it, else float32 (offsets of -2^(bits - 1) d, a centered Q4_0, Q5_0 or
     Q8_0: the scales passed twice, the kernel forms them); a K-quant's in its file's form,
@@ -384,12 +385,13 @@ def _pack_tandem(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, t
     else:
         low = chunks & 15
         parts = [low[:, :, :4] | (low[:, :, 4:] << 4)]
-        for bit in range(4, weight.bits):  # 5 and 6 bits: a plane per higher bit
-            plane = ((chunks >> bit) & 1).reshape(tiles, groups, 8, 8, 8)  # chunk, byte, bit
-            word = plane[..., 0].clone()
-            for i in range(1, 8):
-                word |= plane[..., i] << i
-            parts.append(word)
+        hb = weight.bits - 4  # 5 and 6 bits: the higher hb bits, 8 / hb chunks to a byte
+        if hb:
+            high = (chunks >> 4).reshape(tiles, groups, hb, 8 // hb, 4 * TILE)
+            sliced = high[:, :, :, 0].clone()  # [T, G, hb, 64]: chunk c at byte c / (8 / hb)
+            for field in range(1, 8 // hb):
+                sliced |= high[:, :, :, field] << (hb * field)
+            parts.append(sliced)
     packed = torch.cat([t.reshape(tiles, groups, -1) for t in parts], -1).contiguous()
 
     def by_tile(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [T, G, TILE]

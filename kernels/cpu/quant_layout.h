@@ -1,10 +1,9 @@
 // The tandem kernel's weight layout (quant_matmul.cpp's header comment): sizes, and the loads
 // that turn a tile's stored scales or offsets (float32, float16, K-quant super-blocks) and its
-// 5- and 6-bit code planes into the float32 and byte vectors the dot loop uses.
+// 5- and 6-bit codes' higher bits into the float32 and byte vectors the dot loop uses.
 #pragma once
 
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 
 #include "simd.h"
@@ -17,8 +16,8 @@ constexpr int64_t kSuperGroups = 8;  // groups per K-quant super-block
 constexpr int64_t kSuperBytes = 2 * kTile + kSuperGroups * kTile;  // one tile's super-block
 constexpr int64_t kQ6Bytes = 2 * kTile + 2 * kSuperGroups * kTile;  // Q6_K's: 16 sub-blocks
 
-// Bytes of one tile's group of codes: 4 bits two to a byte; 5 and 6 bits the same, then a
-// 64-byte plane per higher bit; 8 bits one to a byte.
+// Bytes of one tile's group of codes: 4 bits two to a byte; 5 and 6 bits the same, then their
+// higher bits in 64 (5-bit) or 128 bytes (6-bit, `high_bits`); 8 bits one to a byte.
 constexpr int64_t unit_bytes(int64_t bits) { return bits == 8 ? 512 : 256 + 64 * (bits - 4); }
 
 struct Super {};  // the parameter types of Params::kSuper and kQ6 (bytes read as they lie)
@@ -96,15 +95,26 @@ inline __m256 q6_scales8(const uint8_t* p, int64_t g, int h, int half) {
   return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
 }
 
-// 32 bits of a plane -> 32 bytes, byte b `value` where bit b is set (the 256-bit paths' 5- and
-// 6-bit codes).
-inline __m256i plane_bytes(uint32_t bits, char value) {
-  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-  const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
-  const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(bits)), spread);
-  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(v, select), select);
-  return _mm256_and_si256(set, _mm256_set1_epi8(value));
+// The higher bits of 5- and 6-bit codes lie byte-sliced after the 256 bytes of low nibbles:
+// HB = BITS - 4 bits a code, 8 / HB chunks to a byte, chunk c's bits for its byte j at bits
+// HB (c % (8 / HB)) and up of byte 64 (c / (8 / HB)) + j. high_bits: chunk c's bits moved to
+// bits 4.. of each byte, the rest clear, from v, the (part of the) 64 bytes holding them. A
+// 16-bit lane shift, because the field read after it comes from the same byte: bits 4..3+HB
+// after the shift were bits `at`..at+HB-1 before, all within 0..7.
+template <int BITS, typename V>
+[[gnu::always_inline]] inline V high_bits(V v, int c) {
+  constexpr int hb = BITS - 4;
+  const int at = hb * (c % (8 / hb));
+  const char mask = static_cast<char>(((1 << hb) - 1) << 4);
+  if constexpr (sizeof(V) == 32) {
+    v = at <= 4 ? _mm256_slli_epi16(v, 4 - at) : _mm256_srli_epi16(v, at - 4);
+    return _mm256_and_si256(v, _mm256_set1_epi8(mask));
+  } else {
+#if TANDEM_AVX512
+    v = at <= 4 ? _mm512_slli_epi16(v, 4 - at) : _mm512_srli_epi16(v, at - 4);
+    return _mm512_and_si512(v, _mm512_set1_epi8(mask));
+#endif
+  }
 }
 #endif
 

@@ -17,25 +17,26 @@
 // same instructions, so a row's result does not depend on how many rows share the call, how they are tiled,
 // which thread runs them, or which of the three paths built it.
 //
-// Layout (built by engine/models/quantized.py `_pack_tandem`): output rows in tiles of 16 (N
-// padded with zero rows), inputs in groups of 32 (K padded with zero groups). One tile's group
-// is a unit of 64-byte chunks: chunk c (inputs 4c..4c+3) holds row j's four codes in bytes
-// 4j..4j+3, so one VNNI instruction against the activation's four bytes broadcast gives all 16
-// rows' partial sums, and eight of them the group's D for the whole tile, with no horizontal
-// sums. 8 bits: 8 chunks (512 bytes); 4 bits: 4 chunks (256 bytes), chunk c in the low nibbles
-// and chunk c + 4 in the high ones; 5 and 6 bits (Q5_x, Q6_K): the low 4 bits so, then a
-// 64-byte plane per higher bit, eight 64-bit words, word c's bit b belonging to chunk c's byte
-// b (the codes are the same integers however they are stored, so D is too). d, m: see Params
-// (quant_matmul.h): float32 or float16 tables (float16 where every value is exact in it: the
-// file's own for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; the centered Q4_0, Q5_0 and Q8_0, whose m is
-// -2^(bits - 1) d, hold d alone and m is formed from it), or a K-quant's super-blocks as its
-// file holds them, float16 d per 256 inputs and 6-bit (Q6_K: int8) sub-scales, the kernel forming
-// float(d) * float(sub-scale) as it reads them, a product exact in float32. Every form gives
-// the same float32 d and m that a float32 table of them would, so the choice never changes a
-// result. 256-bit paths take a tile as two halves of 8 rows (the first 32 bytes of each chunk,
-// then the last 32). A call of more than 8 rows (prefill, verification) widens a 5- or 6-bit
-// tile's planes to bytes once, into the 8-bit unit's layout, and every block of 8 rows reads
-// those: the unpacking is paid once per tile, not once per block of rows.
+// Layout (built by engine/models/quantized.py `_pack_tandem`): output rows in tiles of 16 (N padded
+// with zero rows), inputs in groups of 32 (K padded with zero groups). One tile's group is a unit
+// of 64-byte chunks: chunk c (inputs 4c..4c+3) holds row j's four codes in bytes 4j..4j+3, so one
+// VNNI instruction against the activation's four bytes broadcast gives all 16 rows' partial sums,
+// and eight of them the group's D for the whole tile, with no horizontal sums. 8 bits: 8 chunks
+// (512 bytes); 4 bits: 4 chunks (256 bytes), chunk c in the low nibbles and chunk c + 4 in the high
+// ones; 5 and 6 bits (Q5_x, Q6_K): the low 4 bits so, then the higher bits byte-sliced in 64-byte
+// vectors (one for 5 bits, two for 6): byte b of vector c / 8 (6 bits: c / 4) holds chunk c's byte
+// b's higher bits at bit c % 8 (6 bits: bits 2 (c % 4) and 2 (c % 4) + 1), so one shift and one
+// mask put them in place (quant_layout.h high_bits; the codes are the same integers however they
+// are stored, so D is too). d, m: see Params (quant_matmul.h): float32 or float16 tables (float16
+// where every value is exact in it: the file's own for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; the centered
+// Q4_0, Q5_0 and Q8_0, whose m is -2^(bits - 1) d, hold d alone and m is formed from it), or a
+// K-quant's super-blocks as its file holds them, float16 d per 256 inputs and 6-bit (Q6_K: int8)
+// sub-scales, the kernel forming float(d) * float(sub-scale) as it reads them, a product exact in
+// float32. Every form gives the same float32 d and m that a float32 table of them would, so the
+// choice never changes a result. 256-bit paths take a tile as two halves of 8 rows (the first 32
+// bytes of each chunk, then the last 32). A call of more than 8 rows (prefill, verification) widens
+// a 5- or 6-bit tile's codes to bytes once, into the 8-bit unit's layout, and every block of 8 rows
+// reads those: the unpacking is paid once per tile, not once per block of rows.
 #include "quant_matmul.h"
 
 #include <ATen/Parallel.h>
@@ -124,7 +125,7 @@ void matmul(const QuantizedMatrix& w, const Activations& a, int64_t num_rows, fl
   const int64_t groups = a.kp / G;
   const int64_t tile_bytes = groups * unit_bytes(BITS);
   const int64_t num_tiles = (w.rows + kTile - 1) / kTile;
-  // 5- and 6-bit codes for more than one block of rows: the tile's planes widened to bytes
+  // 5- and 6-bit codes for more than one block of rows: the tile's codes widened to bytes
   // once (the 8-bit unit's layout, the same integers) and read by every block of rows, not
   // unpacked again per block. 4-bit codes cost two instructions a chunk to unpack: kept as is.
   const bool wide = (BITS == 5 || BITS == 6) && num_rows > kMaxRowTile;
@@ -304,8 +305,9 @@ at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& d, const a
         for (int64_t i = 0; i < G && g * G + i < k; ++i) {
           const int64_t c = i / 4, b = 4 * lane + i % 4;  // chunk, byte within it
           int q = bits == 8 ? u[64 * c + b] : (u[64 * (c % 4) + b] >> (4 * (c / 4))) & 15;
-          for (int64_t bit = 4; bit < (bits == 8 ? 4 : bits); ++bit) {
-            q |= ((u[256 + 64 * (bit - 4) + 8 * c + b / 8] >> (b % 8)) & 1) << bit;
+          if (bits == 5 || bits == 6) {  // the higher bits, byte-sliced (layout::high_bits)
+            const int64_t hb = bits - 4, per = 8 / hb;
+            q |= ((u[256 + 64 * (c / per) + b] >> (hb * (c % per))) & ((1 << hb) - 1)) << 4;
           }
           const float scale = param(w.d, tile, g, lane, i);
           const float offset = w.params == Params::kQ6         ? -32.0f * scale

@@ -5,7 +5,6 @@
 #pragma once
 
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 
 #include "quant_layout.h"
@@ -17,12 +16,21 @@ namespace {
 using namespace layout;
 
 #if TANDEM_HAVE_KERNEL
-// Bytes of codes a tile loop asks for ahead of the group it reads. Decode streams each tile's
-// codes once from memory, group after group, and left to the hardware prefetchers one core
-// read them at ~2/3 of its sequential rate (Qwen2.5-Coder-1.5B, 1 thread: 8.2-8.4 tok/s; a
-// prefetch 2 / 4 / 8 KiB ahead: 10.5-11.5 / 10.9-11.7 / 11.3-11.5, bench/RESULTS.md). Tiles
-// are contiguous, so ahead of the last group is the next tile's first.
+// Bytes of codes the 512-bit tile loop asks for ahead of the group it reads. Decode streams
+// each tile's codes once from memory, group after group, and left to the hardware prefetchers
+// one core read them at ~2/3 of its sequential rate (Qwen2.5-Coder-1.5B, 1 thread: 8.2-8.4
+// tok/s; a prefetch 2 / 4 / 8 KiB ahead: 10.5-11.5 / 10.9-11.7 / 11.3-11.5, bench/RESULTS.md).
+// Tiles are contiguous, so ahead of the last group is the next tile's first. (The 256-bit
+// loop reads a tile twice, a half at a time, and fetches the next tile instead: `tile`.)
 constexpr int64_t kAhead = 4096;
+
+// The cache lines of [u, u + bytes).
+inline void prefetch_span(const uint8_t* u, int64_t bytes) {
+  const uintptr_t first = reinterpret_cast<uintptr_t>(u) & ~uintptr_t{63};
+  for (uintptr_t c = first; c < reinterpret_cast<uintptr_t>(u) + bytes; c += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(c), _MM_HINT_T0);
+  }
+}
 
 // The unit at u ahead of its reading, one prefetch per cache line.
 inline void prefetch_ahead(const uint8_t* u, int64_t bytes) {
@@ -40,10 +48,10 @@ struct Activations {
 };
 
 #if TANDEM_AVX512
-// One tile's group u -> its 8 chunks of codes as bytes (the 4-bit plane's nibbles, plus 16,
-// 32 where the higher planes' bits are set).
+// One tile's group u -> its 8 chunks of codes as bytes (the low nibbles, or'ed with the higher
+// bits of 5- and 6-bit codes: high_bits).
 template <int BITS>
-inline void unpack(const uint8_t* u, __m512i chunk[8]) {
+[[gnu::always_inline]] inline void unpack(const uint8_t* u, __m512i chunk[8]) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int c = 0; c < (BITS == 8 ? 8 : 4); ++c) {
     const __m512i v = _mm512_loadu_si512(u + 64 * c);
@@ -54,12 +62,11 @@ inline void unpack(const uint8_t* u, __m512i chunk[8]) {
       chunk[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
     }
   }
-  for (int b = 4; b < (BITS == 8 ? 4 : BITS); ++b) {  // plane b: word c's bit i is byte i's
-    const __m512i value = _mm512_set1_epi8(static_cast<char>(1 << b));
+  if constexpr (BITS == 5 || BITS == 6) {
+#pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) {
-      uint64_t bits;
-      std::memcpy(&bits, u + 256 + 64 * (b - 4) + 8 * c, 8);
-      chunk[c] = _mm512_mask_add_epi8(chunk[c], _cvtu64_mask64(bits), chunk[c], value);
+      const __m512i v = _mm512_loadu_si512(u + 256 + 64 * (c / (8 / (BITS - 4))));
+      chunk[c] = _mm512_or_si512(chunk[c], high_bits<BITS>(v, c));
     }
   }
 }
@@ -132,9 +139,10 @@ inline void tile(const uint8_t* w, const uint8_t* d, const uint8_t* m, const Act
   }
 }
 #else
-// One tile's group u -> half `half`'s 8 chunks of codes as bytes (as the 512-bit path's).
+// One tile's group u -> half `half`'s 8 chunks of codes as bytes (as the 512-bit path's: this
+// half's 32 bytes of each chunk).
 template <int BITS>
-inline void unpack(const uint8_t* u, int half, __m256i chunk[8]) {
+[[gnu::always_inline]] inline void unpack(const uint8_t* u, int half, __m256i chunk[8]) {
   const __m256i low = _mm256_set1_epi8(0x0F);
   for (int c = 0; c < (BITS == 8 ? 8 : 4); ++c) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 64 * c + 32 * half));
@@ -145,11 +153,12 @@ inline void unpack(const uint8_t* u, int half, __m256i chunk[8]) {
       chunk[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
     }
   }
-  for (int b = 4; b < (BITS == 8 ? 4 : BITS); ++b) {  // this half's 32 bits of word c
+  if constexpr (BITS == 5 || BITS == 6) {
+#pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) {
-      uint32_t bits;
-      std::memcpy(&bits, u + 256 + 64 * (b - 4) + 8 * c + 4 * half, 4);
-      chunk[c] = _mm256_or_si256(chunk[c], plane_bytes(bits, static_cast<char>(1 << b)));
+      const __m256i v = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(u + 256 + 64 * (c / (8 / (BITS - 4))) + 32 * half));
+      chunk[c] = _mm256_or_si256(chunk[c], high_bits<BITS>(v, c));
     }
   }
 }
@@ -179,7 +188,13 @@ inline void tile(const uint8_t* w, const uint8_t* d, const uint8_t* m, const Act
     for (int t = 0; t < MT; ++t) acc[t] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t unit = unit_bytes(WIDE ? 8 : BITS);
-      if (half == 0) prefetch_ahead(w + g * unit, unit);  // the second half reads it cached
+      // The next tile's codes (contiguous after this one), half a unit in each of the 2 x groups
+      // steps: the memory streams while either half computes. (A distance ahead within the
+      // tile, asked for in the first half only, left it idle while the second half re-read the
+      // tile from cache: Qwen2.5-Coder-1.5B decoded ~20% slower on a Zen 3.)
+      if constexpr (!WIDE) {
+        prefetch_span(w + groups * unit + (half * groups + g) * unit / 2, unit / 2);
+      }
       __m256i chunk[8];
       unpack<WIDE ? 8 : BITS>(w + g * unit, half, chunk);
       if constexpr (std::is_same_v<S, Q6>) {  // as the 512-bit path

@@ -35,7 +35,8 @@ constexpr const char* kIsa = "avx-vnni";
 // acc + the dot products of N chunks of codes with the activation words p[4c .. 4c + 3]: 8
 // lanes, each 4 N products.
 template <int BITS, int N>
-inline __m256i dot_chunks(__m256i acc, const __m256i* chunk, const int8_t* p) {
+[[gnu::always_inline]] inline __m256i dot_chunks(__m256i acc, const __m256i* chunk,
+                                                 const int8_t* p) {
   for (int c = 0; c < N; ++c) {
     acc = _mm256_dpbusd_avx_epi32(acc, chunk[c], _mm256_set1_epi32(word(p + 4 * c)));
   }
@@ -49,12 +50,14 @@ constexpr const char* kIsa = "avx2";
 // 4-bit codes (30,720), 4 of 5-bit (31,744), 2 of 6-bit (32,256). Exact: the same integers as
 // widening every chunk, in a third fewer multiplies on the two ports that run them. 8-bit
 // codes q = 16 hi + lo are taken as their two nibbles, each summed as 4-bit codes.
-inline __m256i pairs(__m256i w, const int8_t* p) {  // int16 lanes: pairs of products
+// int16 lanes: pairs of products
+[[gnu::always_inline]] inline __m256i pairs(__m256i w, const int8_t* p) {
   return _mm256_maddubs_epi16(w, _mm256_set1_epi32(word(p)));
 }
 
 template <int BITS, int N>
-inline __m256i dot_chunks(__m256i acc, const __m256i* chunk, const int8_t* p) {
+[[gnu::always_inline]] inline __m256i dot_chunks(__m256i acc, const __m256i* chunk,
+                                                 const int8_t* p) {
   const __m256i ones = _mm256_set1_epi16(1);
   if constexpr (BITS <= 6) {
     constexpr int K = BITS <= 4 ? 8 : BITS == 5 ? 4 : 2;
