@@ -39,10 +39,18 @@ def available() -> bool:
     return hasattr(mmap, "MADV_HUGEPAGE") and ("[always]" in mode or "[madvise]" in mode)
 
 
+def _span(nbytes: int) -> int:
+    """Bytes to map so that nbytes from the first huge-page boundary in the mapping end inside
+    whole huge pages: the boundary is up to HUGE - 4 KiB in, and the kernel backs only a huge
+    page that lies entirely inside the mapping (a tail that reaches past the last whole one, or
+    an arena under HUGE that starts late, would stay in 4 KiB pages)."""
+    return -(-nbytes // HUGE) * HUGE + HUGE
+
+
 def _region(nbytes: int) -> tuple[mmap.mmap, int]:
     """Fresh (zero) anonymous memory advised huge, and the offset in it of a huge-page boundary
-    with nbytes after it."""
-    region = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    followed by whole huge pages holding nbytes."""
+    region = mmap.mmap(-1, _span(nbytes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     region.madvise(mmap.MADV_HUGEPAGE)
     address = torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr()
     return region, -address % HUGE

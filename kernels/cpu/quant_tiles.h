@@ -32,12 +32,8 @@ inline void prefetch_span(const uint8_t* u, int64_t bytes) {
   }
 }
 
-// The unit at u ahead of its reading, one prefetch per cache line.
-inline void prefetch_ahead(const uint8_t* u, int64_t bytes) {
-  for (int64_t c = 0; c < bytes; c += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(u) + kAhead + c, _MM_HINT_T0);
-  }
-}
+// The unit kAhead bytes after u, ahead of its reading.
+inline void prefetch_ahead(const uint8_t* u, int64_t bytes) { prefetch_span(u + kAhead, bytes); }
 
 struct Activations {
   const int8_t* p;   // [M, Kp]

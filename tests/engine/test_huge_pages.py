@@ -73,6 +73,18 @@ def test_moved_storages_keep_values_views_and_sizes():
     assert huge_bytes_at(a.data_ptr()) >= huge_pages.HUGE
 
 
+@pytest.mark.parametrize("nbytes", [1, 1_360_000, 2 << 20, (2 << 20) + 1, (6 << 20) + 4096])
+def test_a_region_holds_its_bytes_in_whole_huge_pages_wherever_the_mapping_starts(nbytes):
+    """The kernel backs only huge pages that lie inside the mapping: from any huge-page boundary
+    the mapping can start before (a page-aligned address up to HUGE - 4 KiB before it), the
+    huge pages covering nbytes end inside it."""
+    whole = -(-nbytes // huge_pages.HUGE) * huge_pages.HUGE
+    for skip in range(0, huge_pages.HUGE, 4096):
+        assert skip + whole <= huge_pages._span(nbytes), skip
+    region, skip = huge_pages._region(nbytes)
+    assert skip + whole <= len(region)
+
+
 def test_without_huge_pages_nothing_moves(monkeypatch):
     monkeypatch.setattr(huge_pages, "available", lambda: False)
     a = torch.randn(300, 1000)
