@@ -12,6 +12,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, RowAttention
 from engine.models.config import ModelConfig
+from engine.models.layer_stack import LayerStack
 from engine.models.layers import (
     Embedding,
     Linear,
@@ -54,6 +55,7 @@ class CausalLM(nn.Module):
             persistent=False,
         )
         self.fused_layers = False  # every layer runs on the C++ kernels (fuse)
+        self.stack: LayerStack | None = None  # ... as one call, where they are quantized
 
     def forward(
         self,
@@ -67,8 +69,11 @@ class CausalLM(nn.Module):
         if self.embed_scale is not None:
             x = x * self.embed_scale.to(x.dtype)
         tables = {name: rotary(positions) for name, rotary in self.rotary.items()}  # cos, sin
-        for i, layer in enumerate(self.layers):
-            x = layer(x, *tables[getattr(layer, "rope", "global")], kv_caches[i], meta, lora)
+        if self.stack is not None and self.stack.runs(meta, lora):
+            x = self.stack(x, tables, kv_caches, meta)
+        else:
+            for i, layer in enumerate(self.layers):
+                x = layer(x, *tables[getattr(layer, "rope", "global")], kv_caches[i], meta, lora)
         return self.norm(x, rows=isinstance(meta, RowAttention))
 
     def load_weight(self, name: str, *tensors, device, dtype: torch.dtype) -> None:
@@ -136,4 +141,6 @@ class CausalLM(nn.Module):
         fuse."""
         fp32 = self.norm.weight.dtype == torch.float32
         self.fused_layers = fp32 and all([layer.fuse(dense) for layer in self.layers])
+        layers, ropes = list(self.layers), list(self.rotary)
+        self.stack = LayerStack.of(layers, ropes) if self.fused_layers else None
         return self.fused_layers

@@ -23,6 +23,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -98,6 +99,72 @@ void fused_layer(at::Tensor x, const std::vector<at::Tensor>& weights, at::IntAr
 #endif
 }
 
+// ---- a model's decoder layers in one call ---------------------------------------------------
+// A decode step at batch 1 on a small model is ~30 layer calls of ~0.3 ms each: from Python
+// each costs ~50 us of module attributes and argument parsing, serial with the second thread.
+// The stack holds every layer's operands (the same tensors the modules hold: a storage moved
+// later, as into huge pages, is seen through them) and runs the layers in order with the same
+// fused_layer, so its rows get the bits of the layer-by-layer calls.
+struct LayerStack : torch::CustomClassHolder {
+  struct Layer {
+    std::vector<at::Tensor> weights;  // (codes, d, m) for qkv, o, gate_up, down
+    std::vector<int64_t> bits, out_features;
+    std::optional<at::Tensor> qkv_bias, q_norm, k_norm, post_norm1, post_norm2;
+    at::Tensor norm1, norm2;
+    int64_t window, rope;  // rope: which of the step's (cos, sin) tables
+  };
+  std::vector<Layer> layers;
+  double eps, scale, head_eps;
+  int64_t num_heads, num_kv_heads, rotary_dim;
+  bool gelu;
+
+  // Per layer l: weights[12 l, 12 l + 12), bits and out_features [4 l, 4 l + 4), tensors[7 l,
+  // 7 l + 7) = norm1, norm2, qkv_bias, q_norm, k_norm, post_norm1, post_norm2 (an empty tensor
+  // where a layer has none), windows[l], ropes[l].
+  LayerStack(std::vector<at::Tensor> weights, std::vector<int64_t> bits,
+             std::vector<int64_t> out_features, std::vector<at::Tensor> tensors,
+             std::vector<int64_t> windows, std::vector<int64_t> ropes, double eps,
+             int64_t num_heads, int64_t num_kv_heads, double scale, double head_eps,
+             int64_t rotary_dim, bool gelu)
+      : eps(eps), scale(scale), head_eps(head_eps), num_heads(num_heads),
+        num_kv_heads(num_kv_heads), rotary_dim(rotary_dim), gelu(gelu) {
+    const size_t n = windows.size();
+    TORCH_CHECK(weights.size() == 12 * n && bits.size() == 4 * n && out_features.size() == 4 * n &&
+                    tensors.size() == 7 * n && ropes.size() == n,
+                "tandem_cpu: LayerStack takes 12 weights, 4 bits, 4 sizes, 7 tensors a layer");
+    auto some = [](const at::Tensor& t) {
+      return t.numel() == 0 ? std::nullopt : std::optional<at::Tensor>(t);
+    };
+    for (size_t l = 0; l < n; ++l) {
+      const at::Tensor* t = &tensors[7 * l];
+      layers.push_back(Layer{{weights.begin() + 12 * l, weights.begin() + 12 * l + 12},
+                             {bits.begin() + 4 * l, bits.begin() + 4 * l + 4},
+                             {out_features.begin() + 4 * l, out_features.begin() + 4 * l + 4},
+                             some(t[2]), some(t[3]), some(t[4]), some(t[5]), some(t[6]),
+                             t[0], t[1], windows[l], ropes[l]});
+    }
+  }
+
+  // x [B, hidden] updated in place; cos[r], sin[r] [B, 1, D] for each kind of RoPE; k_caches,
+  // v_caches [layers, Hkv, num_blocks, block_size, D or int8 row bytes] (layer l's select).
+  void forward(at::Tensor x, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
+               at::Tensor k_caches, at::Tensor v_caches, at::Tensor slots,
+               at::Tensor block_tables, at::Tensor row_tables, at::Tensor seq_lens) {
+    TORCH_CHECK(k_caches.size(0) == static_cast<int64_t>(layers.size()) &&
+                    v_caches.size(0) == k_caches.size(0),
+                "tandem_cpu: one cache per layer");
+    for (size_t l = 0; l < layers.size(); ++l) {
+      const Layer& L = layers[l];
+      TORCH_CHECK(L.rope >= 0 && L.rope < static_cast<int64_t>(cos.size()) && sin.size() == cos.size(),
+                  "tandem_cpu: a layer's RoPE table is missing");
+      fused_layer(x, L.weights, L.bits, L.out_features, L.qkv_bias, L.norm1, L.norm2, eps,
+                  cos[L.rope], sin[L.rope], k_caches.select(0, l), v_caches.select(0, l), slots,
+                  block_tables, row_tables, seq_lens, num_heads, num_kv_heads, scale, L.window,
+                  L.q_norm, L.k_norm, head_eps, rotary_dim, L.post_norm1, L.post_norm2, gelu);
+    }
+  }
+};
+
 // ---- the pieces, for the Python layer around LoRA and tensor-parallel sums ----------------
 #if TANDEM_HAVE_KERNEL
 at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -170,6 +237,11 @@ TORCH_LIBRARY_FRAGMENT(tandem_cpu, lib) {
       "int window, Tensor? q_norm=None, Tensor? k_norm=None, float head_eps=0., "
       "int rotary_dim=0, Tensor? post_norm1=None, Tensor? post_norm2=None, bool gelu=False) -> ()",
       &tandem::fused_layer);
+  lib.class_<tandem::LayerStack>("LayerStack")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
+                       std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
+                       double, int64_t, int64_t, double, double, int64_t, bool>())
+      .def("forward", &tandem::LayerStack::forward);
 #if TANDEM_HAVE_KERNEL
   lib.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &tandem::rms_norm_op);
   lib.def(

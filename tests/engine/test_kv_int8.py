@@ -77,6 +77,7 @@ def assert_rule_holds_then_breaks(name: str, monkeypatch, dtype: str = "int8") -
     # (bfloat16: to 2 mantissa bits) after every store, before attention reads it.
     for layer in llm.engine.runner.model.layers:
         layer.fused = None
+    llm.engine.runner.model.stack = None
     attend = torch.ops.tandem_cpu.attend
 
     head_dim = llm.engine.model_config.head_dim
