@@ -51,6 +51,7 @@ from engine.sampler import (
     RequestAt,
     SamplingBatch,
     TopLogprobs,
+    argmax_rows,
     argmax_suffices,
     process_logits,
 )
@@ -371,9 +372,10 @@ class ModelRunner:
         pending.fast = [argmax_suffices(m) for m in members]
         pending.slow = [i for i, fast in enumerate(pending.fast) if not fast]
         logits = self.device_logits(hidden, rows)  # [R, V] on the device
-        pending.device.is_nan = logits.isnan().any(dim=-1)  # [R]: such a request fails alone
-        if any(pending.fast):
-            pending.device.argmax = logits.argmax(dim=-1)  # [R]
+        if any(pending.fast):  # [R] each; a request with a NaN row fails alone
+            pending.device.argmax, pending.device.is_nan = argmax_rows(logits)
+        else:
+            pending.device.is_nan = logits.isnan().any(dim=-1)
         if pending.slow:
             slow_rows = [r for i in pending.slow for r in range(spans[i].start, spans[i].end)]
             if len(slow_rows) < len(rows):

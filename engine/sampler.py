@@ -18,6 +18,7 @@ import torch
 
 from engine.device import host_tensor, to_device
 from engine.request import Request, TokenHistory
+from kernels import cpu as cpu_kernels
 
 NEG_INF = float("-inf")
 
@@ -188,6 +189,15 @@ def argmax_suffices(request: Request) -> bool:
     """Whether this request's next tokens (and its drafts' verdicts) are its raw logits' argmax
     and nothing more is needed from its rows: greedy, no logprobs, keeps_argmax."""
     return request.params.is_greedy and request.params.logprobs is None and keeps_argmax(request)
+
+
+def argmax_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [R, V] -> each row's argmax [R] (torch's: the first maximal index) and whether
+    it holds a NaN [R], in one read on CPUs with Tandem's kernels (kernels/cpu/argmax.cpp:
+    torch's two passes cost ~1 ms over a 262k vocabulary); a NaN row's index means nothing."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and cpu_kernels.load():
+        return torch.ops.tandem_cpu.argmax_rows(logits)
+    return logits.argmax(dim=-1), logits.isnan().any(dim=-1)
 
 
 def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
