@@ -19,6 +19,9 @@ _NONE = torch.empty(0)  # the C++ stack's "no tensor" (an optional it cannot be 
 
 
 class LayerStack:
+    """layers' operands in the C++ LayerStack; ropes: the model's RoPE table names, in the
+    order a step's (cos, sin) tables are handed over."""
+
     def __init__(self, layers, ropes: list[str]):
         weights, bits, sizes, tensors, windows, rope_of = [], [], [], [], [], []
         shared = None
