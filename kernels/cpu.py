@@ -4,9 +4,9 @@ The library is compiled for the CPU it runs on (-march=native: AVX-512 VNNI, AVX
 code paths, chosen by the compiler's view of this machine) into the Tandem cache, keyed by the
 sources, torch's version and the CPU's flags, so a cache shared between machines never loads a
 build for another CPU. `make install` builds it ahead (`python -m kernels.cpu`); otherwise the
-first model load does (about 8 s). Without a C++ compiler, on a CPU without AVX2 and FMA, or
-with TANDEM_CPU_KERNELS=0, `load()` says why and returns None, and the quantized layers use
-torch's own int4 kernel instead (engine/models/quantized.py).
+first model load does (2-3 minutes on 2 cores). Without a C++ compiler, on a CPU without AVX2
+and FMA, or with TANDEM_CPU_KERNELS=0, `load()` says why and returns None, and the quantized
+layers use torch's own int4 kernel instead (engine/models/quantized.py).
 
     python -m kernels.cpu          # build (if needed) and print the instruction set in use
 """
