@@ -372,10 +372,9 @@ class ModelRunner:
         pending.fast = [argmax_suffices(m) for m in members]
         pending.slow = [i for i, fast in enumerate(pending.fast) if not fast]
         logits = self.device_logits(hidden, rows)  # [R, V] on the device
-        if any(pending.fast):  # [R] each; a request with a NaN row fails alone
-            pending.device.argmax, pending.device.is_nan = argmax_rows(logits)
-        else:
-            pending.device.is_nan = logits.isnan().any(dim=-1)
+        argmax, pending.device.is_nan = argmax_rows(logits)  # [R] each; a NaN row fails alone
+        if any(pending.fast):
+            pending.device.argmax = argmax
         if pending.slow:
             slow_rows = [r for i in pending.slow for r in range(spans[i].start, spans[i].end)]
             if len(slow_rows) < len(rows):
