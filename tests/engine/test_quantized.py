@@ -136,7 +136,7 @@ def test_float16_parameters_where_exact_and_the_same_bits_as_float32():
 
 
 ISA_CHECK = """
-import sys, torch
+import itertools, sys, torch
 from engine.models.quantized import (
     QuantizedEmbedding, QuantizedLinear, QuantizedWeight, SuperBlocks, reference_matmul
 )
@@ -175,10 +175,10 @@ top = [QuantizedWeight.from_codes(torch.full((40, 512), 2**b - 1), d, -d, b) for
 q6_scales = torch.full((40, 32), 127).to(torch.int8)
 blocks = SuperBlocks(torch.full((40, 2), 1 / 64).half(), q6_scales, None, None)
 top.append(QuantizedWeight.from_super_blocks(torch.full((40, 512), 63), blocks, 6))
-for weight in top:
+for weight in top:  # 9 rows: the tile kernels; 37: AVX2's paired halves (quant_rows.h)
     layer = QuantizedLinear(weight, None, backend="tandem")
-    for sign in (1, -1):
-        x = torch.full((9, 512), float(sign))
+    for sign, rows in itertools.product((1, -1), (9, 37)):
+        x = torch.full((rows, 512), float(sign))
         assert torch.equal(layer(x), reference_matmul(x, weight, "tandem")), (weight.bits, sign)
 print("ok")
 """
