@@ -59,8 +59,8 @@ namespace {
 using namespace layout;
 
 constexpr int64_t kMaxRowTile = 8;  // activation rows that share a tile's unpacked codes
-// Calls of this many rows or more take the paired halves where built (fewer: the widening and
-// the parameters' expansion per tile cost more than they save; Zen 3, 4-/5-/6-bit codes).
+// Calls of this many rows or more widen a tile for the paired halves where built (fewer: the
+// widening and the parameters' expansion per tile cost more than they save; Zen 3).
 constexpr int64_t kPairedMinRows = 32;
 
 #if TANDEM_HAVE_KERNEL
@@ -125,19 +125,18 @@ void tile_rows(const uint8_t* codes, const uint8_t* d, const uint8_t* m, const A
 
 #if TANDEM_PAIRED_HALVES
 // Rows [0, num_rows) against one tile through tile_paired (quant_rows.h), kPairedRows at a time.
-template <int BITS, typename S>
-void paired_rows(const uint8_t* bytes, const float* params, const Activations& a,
-                 int64_t num_rows, float* out, int64_t ldy, int64_t width, const float* bias) {
+template <int BITS, typename S, bool WIDE>
+void paired_rows(const uint8_t* codes, const uint8_t* d, const uint8_t* m, const float* expanded,
+                 const Activations& a, int64_t num_rows, float* out, int64_t ldy, int64_t width,
+                 const float* bias) {
   int64_t r = 0;
   for (; r + kPairedRows <= num_rows; r += kPairedRows) {
-    tile_paired<BITS, kPairedRows, S>(bytes, params, a, r, out, ldy, width, bias);
+    tile_paired<BITS, kPairedRows, S, WIDE>(codes, d, m, expanded, a, r, out, ldy, width, bias);
   }
-  switch (num_rows - r) {
-    case 3: tile_paired<BITS, 3, S>(bytes, params, a, r, out, ldy, width, bias); break;
-    case 2: tile_paired<BITS, 2, S>(bytes, params, a, r, out, ldy, width, bias); break;
-    case 1: tile_paired<BITS, 1, S>(bytes, params, a, r, out, ldy, width, bias); break;
-    default: break;
-  }
+  const int64_t rest = num_rows - r;
+  if (rest == 3) tile_paired<BITS, 3, S, WIDE>(codes, d, m, expanded, a, r, out, ldy, width, bias);
+  if (rest == 2) tile_paired<BITS, 2, S, WIDE>(codes, d, m, expanded, a, r, out, ldy, width, bias);
+  if (rest == 1) tile_paired<BITS, 1, S, WIDE>(codes, d, m, expanded, a, r, out, ldy, width, bias);
 }
 #endif
 
@@ -149,11 +148,13 @@ void matmul(const QuantizedMatrix& w, const Activations& a, int64_t num_rows, fl
   const int64_t num_tiles = (w.rows + kTile - 1) / kTile;
   // 5- and 6-bit codes for more than one block of rows: the tile's codes widened to bytes
   // once (the 8-bit unit's layout, the same integers) and read by every block of rows, not
-  // unpacked again per block. 4-bit codes cost two instructions a chunk to unpack: kept as is,
-  // but for the AVX2 build's paired halves (kPairedMinRows rows or more: prefill), which read
-  // bytes and the parameters as float32, both formed once per tile.
-  const bool paired = TANDEM_PAIRED_HALVES && BITS <= 6 && num_rows >= kPairedMinRows;
-  const bool wide = paired || ((BITS == 5 || BITS == 6) && num_rows > kMaxRowTile);
+  // unpacked again per block. 4-bit codes cost two instructions a chunk to unpack: kept as is.
+  // The AVX2 build takes 4- to 6-bit codes for more than one block of rows through
+  // tile_paired (quant_rows.h), widened with the parameters expanded at kPairedMinRows rows or
+  // more; decode's row and verification's few keep `tile` (paired was no faster, measured).
+  const bool paired = TANDEM_PAIRED_HALVES && BITS <= 6 && num_rows > kMaxRowTile;
+  const bool wide = paired ? num_rows >= kPairedMinRows
+                           : (BITS == 5 || BITS == 6) && num_rows > kMaxRowTile;
   at::parallel_for(0, num_tiles, 1, [&](int64_t t0, int64_t t1) {
     thread_local std::vector<uint8_t> widened;  // [groups, 512]: one tile's codes as bytes
     thread_local std::vector<float> expanded;  // [groups, 2, 16]: its parameters (paired)
@@ -170,11 +171,15 @@ void matmul(const QuantizedMatrix& w, const Activations& a, int64_t num_rows, fl
       }
 #if TANDEM_PAIRED_HALVES
       if constexpr (BITS <= 6) {
-        if (paired) {
+        if (paired && wide) {
           expanded.resize(groups * 2 * kTile);
           expand_params<BITS, S>(d, m, groups, expanded.data());
-          paired_rows<BITS, S>(widened.data(), expanded.data(), a, num_rows, out, ldy, width,
-                               bias);
+          paired_rows<BITS, S, true>(widened.data(), d, m, expanded.data(), a, num_rows, out,
+                                     ldy, width, bias);
+          continue;
+        }
+        if (paired) {
+          paired_rows<BITS, S, false>(codes, d, m, nullptr, a, num_rows, out, ldy, width, bias);
           continue;
         }
       }

@@ -1,7 +1,11 @@
-// Prefill on the AVX2 build: a tile's two halves against 4 activation rows at a time, so each
-// broadcast activation word feeds both halves' multiplies (quant_tiles.h's 256-bit tile takes
-// the halves one after the other and broadcasts every word twice). The same integers and float
-// steps per output as `tile` (quant_matmul.cpp's header comment), so the same bits.
+// The AVX2 build's tile kernel for calls of more than 8 rows of 4-, 5- and 6-bit codes: a
+// tile's two halves of 8 rows together, chunk by chunk across up to 4 activation rows, so each
+// broadcast activation word feeds both halves' multiplies (quant_tiles.h's 256-bit `tile` takes
+// the halves one after the other, broadcasting every word twice; it stays the kernel of decode,
+// of 8-bit codes and of the AVX-VNNI build). The same integers and float steps per output as
+// `tile` (quant_matmul.cpp's header comment), so the same bits. Verification's rows read the
+// codes as stored; prefill's (kPairedMinRows or more) read them widened to bytes and the
+// parameters as float32, both formed once per tile.
 #pragma once
 
 #include <cstdint>
@@ -20,45 +24,71 @@ using namespace layout;
 #define TANDEM_PAIRED_HALVES 1
 constexpr int kPairedRows = 4;  // activation rows per pass over a tile (16 int16 sums live)
 
-// A tile's group parameters as float32 [groups, 2, 16]: d then m (Q6_K: its two halves' s),
-// the values `tile` forms from the stored ones (the same instructions), once per tile.
+// Group g's parameters for half `half` as float32, as `tile` forms them: d and m (Q6_K: s of
+// the group's two halves of 16 inputs).
+template <int BITS, typename S>
+[[gnu::always_inline]] inline void group_params(const uint8_t* d, const uint8_t* m, int64_t g,
+                                                int half, __m256& first, __m256& second) {
+  if constexpr (std::is_same_v<S, Q6>) {
+    first = q6_scales8(d, g, 0, half);
+    second = q6_scales8(d, g, 1, half);
+  } else {
+    first = params8<S>(d, g, half);
+    second = std::is_same_v<S, Centered> ? _mm256_mul_ps(first, _mm256_set1_ps(center(BITS)))
+                                         : params8<S>(m, g, half);
+  }
+}
+
+// A tile's parameters as float32 [groups, 2 (first, second), 16].
 template <int BITS, typename S>
 inline void expand_params(const uint8_t* d, const uint8_t* m, int64_t groups, float* out) {
   for (int64_t g = 0; g < groups; ++g) {
     for (int half = 0; half < 2; ++half) {
       __m256 first, second;
-      if constexpr (std::is_same_v<S, Q6>) {
-        first = q6_scales8(d, g, 0, half);
-        second = q6_scales8(d, g, 1, half);
-      } else {
-        first = params8<S>(d, g, half);
-        second = std::is_same_v<S, Centered>
-                     ? _mm256_mul_ps(first, _mm256_set1_ps(center(BITS)))
-                     : params8<S>(m, g, half);
-      }
+      group_params<BITS, S>(d, m, g, half, first, second);
       _mm256_storeu_ps(out + 32 * g + 8 * half, first);
       _mm256_storeu_ps(out + 32 * g + 16 + 8 * half, second);
     }
   }
 }
 
-// MT rows (first..) against a tile whose codes are bytes (`widen`'s 8-bit units of BITS-bit
-// values) and whose parameters are `expand_params`'. Chunk by chunk across the rows: one
-// broadcast, two multiplies (one a half), int16 sums of K chunks as dot_chunks' (the bound on
-// K there), widened to int32 D per group (Q6_K: per half-group). (8-bit codes, two nibble
-// passes, gained nothing: not taken.)
-template <int BITS, int MT, typename S>
-inline void tile_paired(const uint8_t* w, const float* params, const Activations& a,
-                        int64_t first, float* y, int64_t ldy, int64_t width, const float* bias) {
+// Chunk c's half `half` of a group unit u as bytes: WIDE, `widen`'s 8-bit unit; else BITS-bit
+// codes as stored (unpack's steps for one chunk).
+template <int BITS, bool WIDE>
+[[gnu::always_inline]] inline __m256i chunk_half(const uint8_t* u, int c, int half) {
+  auto load = [&](int64_t at) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + at + 32 * half));
+  };
+  if constexpr (WIDE) {
+    return load(64 * c);
+  } else {
+    const __m256i low = _mm256_set1_epi8(0x0F), v = load(64 * (c % 4));
+    __m256i q = _mm256_and_si256(c < 4 ? v : _mm256_srli_epi16(v, 4), low);
+    if constexpr (BITS == 5 || BITS == 6) {
+      q = _mm256_or_si256(q, high_bits<BITS>(load(256 + 64 * (c / (8 / (BITS - 4)))), c));
+    }
+    return q;
+  }
+}
+
+// MT rows (first..) against one tile: codes as chunk_half reads them; parameters from
+// `expanded` (expand_params') when WIDE, else from d and m. Per chunk: one broadcast of a
+// row's activation word, a multiply for each half; int16 sums of K chunks as dot_chunks' (the
+// bound on K there), widened to int32 D per group (Q6_K: per half-group).
+template <int BITS, int MT, typename S, bool WIDE>
+inline void tile_paired(const uint8_t* w, const uint8_t* d, const uint8_t* m,
+                        const float* expanded, const Activations& a, int64_t first, float* y,
+                        int64_t ldy, int64_t width, const float* bias) {
   constexpr bool q6 = std::is_same_v<S, Q6>;
   static_assert(BITS <= 6);
   constexpr int K = BITS <= 4 ? 8 : BITS == 5 ? 4 : 2;
-  const int64_t groups = a.kp / G;
+  const int64_t groups = a.kp / G, unit = unit_bytes(WIDE ? 8 : BITS);
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[2][MT];  // [half][row]
   for (int t = 0; t < MT; ++t) acc[0][t] = acc[1][t] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* u = w + g * unit_bytes(8);
+    const uint8_t* u = w + g * unit;
+    if constexpr (!WIDE) prefetch_span(u + groups * unit, unit);  // the next tile's group g
     const int8_t* p = a.p + first * a.kp + g * G;
     __m256i dot[q6 ? 2 : 1][2][MT];  // [part: Q6_K's half-group][half][row]
     for (int t = 0; t < MT; ++t) {
@@ -73,9 +103,7 @@ inline void tile_paired(const uint8_t* w, const float* params, const Activations
       __m256i s[2][MT];
 #pragma GCC unroll 8
       for (int c = c0; c < c0 + K; ++c) {
-        const __m256i q0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 64 * c));
-        const __m256i q1 =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 64 * c + 32));
+        const __m256i q0 = chunk_half<BITS, WIDE>(u, c, 0), q1 = chunk_half<BITS, WIDE>(u, c, 1);
 #pragma GCC unroll 8
         for (int t = 0; t < MT; ++t) {
           const __m256i b = _mm256_set1_epi32(word(p + t * a.kp + 4 * c));
@@ -97,8 +125,13 @@ inline void tile_paired(const uint8_t* w, const float* params, const Activations
       }
     }
     for (int half = 0; half < 2; ++half) {
-      const __m256 first_param = _mm256_loadu_ps(params + 32 * g + 8 * half);
-      const __m256 second_param = _mm256_loadu_ps(params + 32 * g + 16 + 8 * half);
+      __m256 first_param, second_param;
+      if constexpr (WIDE) {
+        first_param = _mm256_loadu_ps(expanded + 32 * g + 8 * half);
+        second_param = _mm256_loadu_ps(expanded + 32 * g + 16 + 8 * half);
+      } else {
+        group_params<BITS, S>(d, m, g, half, first_param, second_param);
+      }
       for (int t = 0; t < MT; ++t) {
         const int64_t r = first + t;
         const __m256 dx = _mm256_set1_ps(a.dx[r * groups + g]);
