@@ -36,7 +36,8 @@
 // choice never changes a result. 256-bit paths take a tile as two halves of 8 rows (the first 32
 // bytes of each chunk, then the last 32). A call of more than 8 rows (prefill, verification) widens
 // a 5- or 6-bit tile's codes to bytes once, into the 8-bit unit's layout, and every block of 8 rows
-// reads those: the unpacking is paid once per tile, not once per block of rows.
+// reads those: the unpacking is paid once per tile, not once per block of rows. The AVX2
+// build takes such calls (4- to 6-bit codes) through quant_rows.h: both halves at once.
 #include "quant_matmul.h"
 
 #include <ATen/Parallel.h>
