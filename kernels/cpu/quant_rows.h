@@ -1,5 +1,5 @@
 // The AVX2 build's tile kernel for calls of more than 8 rows of 4-, 5- and 6-bit codes: a
-// tile's two halves of 8 rows together, chunk by chunk across up to 4 activation rows, so each
+// tile's two halves of 8 outputs together, chunk by chunk across up to 4 activation rows, so each
 // broadcast activation word feeds both halves' multiplies (quant_tiles.h's 256-bit `tile` takes
 // the halves one after the other, broadcasting every word twice; it stays the kernel of decode,
 // of 8-bit codes and of the AVX-VNNI build). The same integers and float steps per output as
