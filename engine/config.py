@@ -73,6 +73,11 @@ class EngineConfig:
     # from the host: no speculation, grammar, penalties, min_tokens bans or n > 1 forks.
     # None: on with CUDA (where the device runs ahead of the host), off on CPU.
     async_scheduling: bool | None = None
+    # Greedy decodes whose tokens nobody sees until they finish (FINAL_ONLY outputs, as
+    # LLM.generate asks) run this many steps per scheduling round, embedding to argmax in one
+    # C++ call (LayerStack.decode: the same bits as one step at a time) while nothing waits to
+    # be admitted; streamed requests always take one step at a time. 1: never.
+    num_scheduler_steps: int = 4
     seed: int = 0  # engine generator for unseeded random sampling
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     # Speculative decoding: "ngram" (prompt lookup), "suffix" (suffix decoding over the
@@ -202,6 +207,7 @@ _RULES: list[Rule] = [
     ("kv_cache_memory_bytes", int_in(1, optional=True), _POSITIVE + " or None"),
     ("num_kv_blocks", int_in(2, optional=True), "must be an integer >= 2 or None"),
     ("num_threads", int_in(1, optional=True), _POSITIVE + " or None"),
+    ("num_scheduler_steps", int_in(1, 64), "must be an integer in [1, 64]"),
     ("tensor_parallel_size", int_in(1, 64), "must be an integer in [1, 64]"),
     ("speculative_method", one_of(None, "ngram", "suffix", "draft"), _METHOD),
     ("quantization", one_of(*QUANTIZATIONS), f"must be one of {QUANTIZATIONS}"),

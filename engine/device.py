@@ -68,7 +68,12 @@ class HostCopy:
     blocks until they have landed and returns it. Work queued after the copies (the next step)
     does not delay them."""
 
-    def __init__(self, obj):
+    def __init__(self, obj, device: torch.device | None = None):
+        """device: where obj's tensors are, if known; a CPU obj is its own copy."""
+        self.events = []
+        if device is not None and device.type == "cpu":
+            self.copy = obj
+            return
         devices = set()
 
         def copy(t: torch.Tensor) -> torch.Tensor:
@@ -76,7 +81,6 @@ class HostCopy:
             return t.to("cpu", non_blocking=True)
 
         self.copy = map_tensors(obj, copy)
-        self.events = []
         for device in {d for d in devices if d.type == "cuda"}:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))

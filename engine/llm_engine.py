@@ -28,14 +28,15 @@ from engine.errors import ParamError
 from engine.grammar.constraint import StructuredOutputs
 from engine.introspection import snapshot
 from engine.kv_cache_manager import KVCacheManager
-from engine.model_runner import ModelRunner, StepResult
+from engine.model_runner import ModelRunner
 from engine.models.loader import load_engine_models
 from engine.outputs import RequestGroup, RequestOutput
 from engine.pipeline import InFlight, Pipeline, may_overlap
 from engine.request import Request, RequestStatus, step_token_kinds
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.step_budget import StepBudget
+from engine.step_results import StepResult
 from lora.adapter import LoRAAdapter, LoRARequest
 from lora.batch import LoRASlots
 from lora.registry import AdapterRegistry
@@ -267,8 +268,12 @@ class LLMEngine:
         pipeline, spec = self.pipeline, self.speculation
         if pipeline.must_land:
             touched += self._collect(pipeline.take())
-        wanted = spec.plan(self.scheduler.running, self.scheduler.waiting) if spec.active else None
+        if spec.active:
+            wanted = spec.plan(self.scheduler.running, self.scheduler.waiting)
+        else:
+            wanted = self._lookahead()
         sched = self.scheduler.schedule(wanted)
+        sched.lookahead = not spec.active and bool(wanted)
         if sched.requests:
             launched = self._launch(sched)
             previous = pipeline.push(launched)
@@ -279,6 +284,21 @@ class LLMEngine:
             self.num_steps += 1
         elif pipeline.in_flight is not None:  # nothing more to launch: the last step lands
             touched += self._collect(pipeline.take())
+
+    def _lookahead(self) -> dict[Request, int] | None:
+        """Slots for num_scheduler_steps - 1 more greedy tokens per running request, where the
+        runner decodes them all in one call and nobody watches them arrive: every running
+        request decoding, FINAL_ONLY, and nothing waiting to be admitted."""
+        steps, scheduler = self.config.num_scheduler_steps, self.scheduler
+        if steps == 1 or scheduler.waiting or not scheduler.running or self.async_scheduling:
+            return None
+        final = RequestOutputKind.FINAL_ONLY
+        if not all(
+            r.is_decoding and r.params.output_kind == final and self.runner.decodes(r)
+            for r in scheduler.running
+        ):
+            return None
+        return {r: steps - 1 for r in scheduler.running}
 
     def _launch(self, sched: SchedulerOutput) -> InFlight:
         """Propose drafts and queue the target's step."""
@@ -322,12 +342,17 @@ class LLMEngine:
             self.scheduler.step_budget.observe(sched.total_tokens, time.perf_counter() - step.t0)
         if self.speculation.active:
             self.speculation.observe_step(sched, step.t0, step.t1, time.perf_counter())
+        emitted = {r: len(tokens) for r, tokens in result.sampled} if sched.lookahead else {}
         for request, _, k in sched.scheduled():
             if request.is_finished:
                 continue
             num_accepted = result.num_accepted.get(request, 0)
             request.num_computed_tokens += num_accepted
-            if k:
+            if k and sched.lookahead:  # its tokens are plain; free the slots it did not fill
+                result.kinds[request] = "p" * emitted.get(request, 0)
+                self.kv.trim(request)
+                self.kv.cache_blocks(request)
+            elif k:
                 self._settle_drafts(request, sched, num_accepted, result)
         touched = self._process_samples(result)
         for group in self._end_failed([*sched.requests, *self.scheduler.running]):

@@ -11,22 +11,27 @@ there (CUDA: bf16 by default). Sampling runs where the logits are: greedy reques
 reshapes (no bias, penalties, bans, grammar or logprobs) take their rows' argmax; the others go
 through grammar masks, the logits pipeline and batched verification (engine.rejection.
 verify_batched; the fused Triton kernel with the Triton backend) in float32, and their logprobs
-are gathered there, as are prompt logprobs. Only token ids, acceptance counts and the logprobs
-asked for come back, in one copy that waits for the device once. Random draws come from
-generators on the logits' device: a seeded request reproduces its tokens on one kind of device
-(CPU and CUDA draw differently).
+are gathered there, as are prompt logprobs. Only token ids, acceptance counts and the
+logprobs asked for come back, in one copy that waits for the device once. Random draws come
+from generators on the logits' device: a seeded request reproduces its tokens on one kind of
+device (CPU and CUDA draw differently).
+
+A step of one greedy token per request that nothing reshapes, on a model whose C++ layer stack
+holds its ends (the quantized CPU path), is one call from embedding to argmax
+(LayerStack.decode): one step, or with lookahead slots (EngineConfig.num_scheduler_steps)
+several, each fed the last one's tokens.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
+from engine.attention import row_metadata, slot_ids
 from engine.backends import TORCH, Backend
 from engine.cuda_graphs import GraphRunner
-from engine.device import HostCopy, host_tensor, to_device
-from engine.errors import NonFiniteLogits
+from engine.device import host_tensor, to_device
 from engine.inputs import (
     FlatInputs,
     ForwardItem,
@@ -39,15 +44,11 @@ from engine.models import kv_cache
 from engine.models.causal_lm import CausalLM
 from engine.models.config import ModelConfig
 from engine.rejection import (
-    PendingVerify,
-    VerifyResult,
     VerifyRow,
     verify_batched,
-    verify_greedy,
 )
 from engine.request import Request
 from engine.sampler import (
-    RawLogprobs,
     RequestAt,
     SamplingBatch,
     TopLogprobs,
@@ -56,9 +57,8 @@ from engine.sampler import (
     process_logits,
 )
 from engine.scheduler import SchedulerOutput
+from engine.step_results import DeviceResults, LaunchedStep, PendingStep, PromptAsk
 from lora.batch import LoRABatch, LoRASlots
-
-NAN_MESSAGE = "the model's output for this request is not a number (NaN logits)"
 
 
 def mask_logits(masker, logits: torch.Tensor, rows: list[tuple[Request, list[int]]]) -> None:
@@ -82,115 +82,6 @@ def mask_logits(masker, logits: torch.Tensor, rows: list[tuple[Request, list[int
             request.fail("grammar", exc)
             continue
         logits[idx] = part
-
-
-@dataclass
-class StepResult:
-    # (request, emitted tokens): one token, or under speculation the accepted drafts plus one
-    sampled: list[tuple[Request, list[int]]] = field(default_factory=list)
-    num_accepted: dict[Request, int] = field(default_factory=dict)  # drafts accepted
-    logprobs: dict[Request, list[RawLogprobs]] = field(default_factory=dict)  # per emitted token
-    # The prompt positions this step computed for requests that ask: (first position, entries).
-    prompt_logprobs: dict[Request, tuple[int, list[RawLogprobs]]] = field(default_factory=dict)
-    # Set by the engine once verdicts are in: each emitted token's kind (request.TOKEN_KINDS;
-    # absent: one plain token), and the drafts the target rejected.
-    kinds: dict[Request, str] = field(default_factory=dict)
-    rejected: dict[Request, list[int]] = field(default_factory=dict)
-
-
-@dataclass
-class DeviceResults:
-    """What a step computed for the host, still on the device; copied back in one go."""
-
-    argmax: torch.Tensor | None = None  # [R] every sampling row's argmax (for greedy members)
-    tokens: torch.Tensor | None = None  # [S, rows] verification's emitted tokens, then -1
-    num_accepted: torch.Tensor | None = None  # [S] drafts accepted per verified member
-    logprobs: TopLogprobs | None = None  # the verified members' rows whose requests ask
-    prompt_logprobs: list[TopLogprobs] = field(default_factory=list)  # per PromptAsk
-    is_nan: torch.Tensor | None = None  # [R] whether a sampling row's logits hold a NaN
-
-
-@dataclass
-class PromptAsk:
-    """Prompt logprobs this step computes for a request: positions from `first`, predicting
-    `targets` (the prompt tokens after them), with the top `num_top`."""
-
-    request: Request
-    first: int
-    targets: list[int]
-    num_top: int
-
-
-@dataclass
-class PendingStep:
-    """A launched step's results: `device` on the device, and what turns their host copy into
-    a StepResult. Members sample in span order: a greedy member whose logits nothing reshapes
-    (`fast`) reads its rows' argmax; the others (`slow`, in order) were verified together."""
-
-    device: DeviceResults
-    members: list[Request] = field(default_factory=list)
-    spans: list[VerifyRow] = field(default_factory=list)  # starts index the step's logits rows
-    fast: list[bool] = field(default_factory=list)
-    slow: list[int] = field(default_factory=list)  # members verified, in verification order
-    verify: PendingVerify | None = None
-    # Verified members that asked for logprobs: (member index, its span within the slow rows).
-    logprob_spans: list[tuple[int, VerifyRow]] = field(default_factory=list)
-    prompt: list[PromptAsk] = field(default_factory=list)
-
-    def resolve(self, host: DeviceResults) -> StepResult:
-        """The step's results from the host copy of `device`."""
-        result = StepResult()
-        verdicts: list[VerifyResult | None] = [None] * len(self.spans)
-        if self.slow:
-            slow_verdicts = self.verify.results(host.tokens.tolist(), host.num_accepted.tolist())
-            for i, verdict in zip(self.slow, slow_verdicts, strict=True):
-                verdicts[i] = verdict
-        if host.argmax is not None:
-            argmax = host.argmax.tolist()
-            for i, fast in enumerate(self.fast):
-                if fast:
-                    verdicts[i] = verify_greedy(self.spans[i], argmax)
-        if host.is_nan is not None and host.is_nan.any():  # they fail alone: NaN argmax tokens
-            self._fail_nan(host.is_nan.tolist())
-        for span, member, verdict in zip(self.spans, self.members, verdicts, strict=True):
-            result.sampled.append((member, verdict.tokens))
-            if span.drafts:
-                result.num_accepted[member] = verdict.num_accepted
-        if self.logprob_spans:  # each asking member's rows, up to where its walk ended
-            picks, owners, row = [], [], 0
-            for i, span in self.logprob_spans:
-                member = self.members[i]
-                for j, token in enumerate(verdicts[i].tokens):
-                    picks.append((row + j, token, member.params.logprobs))
-                    owners.append(member)
-                row += span.num_rows
-            for member, entry in zip(owners, host.logprobs.entries(picks), strict=True):
-                result.logprobs.setdefault(member, []).append(entry)
-        for ask, top in zip(self.prompt, host.prompt_logprobs, strict=True):
-            picks = [(j, t, ask.num_top) for j, t in enumerate(ask.targets)]
-            result.prompt_logprobs[ask.request] = (ask.first, top.entries(picks))
-        return result
-
-    def _fail_nan(self, is_nan: list[bool]) -> None:  # is_nan: [R] per logits row
-        for span, member in zip(self.spans, self.members, strict=True):
-            if any(is_nan[span.start : span.start + span.num_rows]):
-                member.fail("logits", NonFiniteLogits(NAN_MESSAGE))
-
-
-class LaunchedStep:
-    """A step whose work is queued on the device, its results' copy to the host queued behind
-    it: `wait()` brings them back. `members`: the requests that sample in it."""
-
-    def __init__(self, pending: PendingStep):
-        self.pending = pending
-        self.members = pending.members
-        self._copy = HostCopy(pending.device)
-        self._result: StepResult | None = None
-
-    def wait(self) -> StepResult:
-        if self._result is None:
-            self._result = self.pending.resolve(self._copy.wait())  # the step's one wait
-        return self._result
 
 
 class ModelRunner:
@@ -343,10 +234,58 @@ class ModelRunner:
             if start + base == request.num_tokens + request.num_pending:
                 q = sched.draft_probs.get(request)
                 verify_rows.append((request, row - 1 - len(drafts), drafts, q))
+        if len(verify_rows) == len(items) and all(self._decodes(item) for item in items):
+            steps = 1 + min(sched.num_drafts) if sched.lookahead else 1
+            return LaunchedStep(self._decode(items, tables, steps), self.device)
         hidden = self.forward(items, tables)
         pending = self._sample(hidden, verify_rows)
         self._prompt_logprobs(hidden, items, pending)
-        return LaunchedStep(pending)
+        return LaunchedStep(pending, self.device)
+
+    def decodes(self, request: Request) -> bool:
+        """Whether the request's next tokens can come from LayerStack.decode (embedding to
+        argmax in one C++ call): greedy, nothing reshapes its logits, no adapter, no prompt
+        logprobs or forks, on a model whose stack decodes, one process, no graphs."""
+        stack = self.model.stack
+        return (
+            stack is not None
+            and stack.decodes
+            and self.graphs is None
+            and self.workers is None
+            and not self.keep_sampled
+            and not request.siblings
+            and request.params.prompt_logprobs is None
+            and (self.lora_slots is None or self.lora_of(request) is None)
+            and argmax_suffices(request)
+        )
+
+    def _decodes(self, item: ForwardItem) -> bool:
+        return len(item.token_ids) == 1 and item.last_from is None and self.decodes(item.request)
+
+    def _decode(self, items: list[ForwardItem], tables, steps: int) -> PendingStep:
+        """One token per request, then steps - 1 more (lookahead slots), in one call: the
+        members' tokens [B, steps]."""
+        starts = [item.start for item in items]
+        slots = host_tensor(
+            [
+                s
+                for it in items
+                for s in slot_ids(tables[it.request], it.start, steps, self.block_size)
+            ]
+        )
+        last = [start + steps for start in starts]  # the context of the last step
+        ones = [1] * len(items)
+        meta = row_metadata(
+            last, ones, [tables[it.request] for it in items], slots, self.block_size
+        )
+        pos = host_tensor(starts)
+        meta = replace(meta, seq_lens=pos + 1, slot_mapping=slots.view(len(items), steps))
+        ids = host_tensor([item.token_ids[0] for item in items])
+        tokens, is_nan = self.model.stack.decode(ids, pos, self.kv_caches, meta)
+        self.sampled = None
+        pending = PendingStep(DeviceResults(decoded=tokens, is_nan=is_nan))
+        pending.members = [item.request for item in items]
+        return pending
 
     def _sample(self, hidden: torch.Tensor, verify_rows) -> PendingStep:
         """verify_rows: (request, row of its last real token, its drafts, their q or None); the

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.model_runner import LaunchedStep
 from engine.request import Request, RequestStatus
 from engine.scheduler import SchedulerOutput
+from engine.step_results import LaunchedStep
 
 
 @dataclass

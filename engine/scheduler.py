@@ -42,6 +42,9 @@ class SchedulerOutput:
     drafts: dict[Request, list[int]] = field(default_factory=dict)
     num_forced: dict[Request, int] = field(default_factory=dict)
     draft_probs: dict[Request, torch.Tensor] = field(default_factory=dict)
+    # The draft slots are lookahead: the runner fills them with its own next greedy tokens
+    # (several steps in one call), no drafts to verify.
+    lookahead: bool = False
 
     def drafts_of(self, request: Request) -> list[int]:
         return self.drafts.get(request, [])

@@ -143,4 +143,6 @@ class CausalLM(nn.Module):
         self.fused_layers = fp32 and all([layer.fuse(dense) for layer in self.layers])
         layers, ropes = list(self.layers), list(self.rotary)
         self.stack = LayerStack.of(layers, ropes) if self.fused_layers else None
+        if self.stack is not None:
+            self.stack.set_ends(self)
         return self.fused_layers

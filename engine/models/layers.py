@@ -22,7 +22,7 @@ included.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -511,6 +511,27 @@ def layer_call(linears, dense: bool = True) -> tuple | None:
     return torch.ops.tandem_cpu.dense_layer, (list(weights), list(biases))
 
 
+class LayerOperands(NamedTuple):
+    """A decoder layer's operands for its one C++ call besides inputs and projections: the
+    norms' weights (None: none; one eps for all), the attention's heads, scale and window, the
+    per-head norms, the rotary dims, and the MLP's activation (GELU or SiLU)."""
+
+    pre_attn: torch.Tensor
+    pre_mlp: torch.Tensor
+    post_attn: torch.Tensor | None
+    post_mlp: torch.Tensor | None
+    eps: float
+    num_heads: int
+    num_kv_heads: int
+    scale: float
+    window: int
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    head_eps: float
+    rotary_dim: int
+    gelu: bool
+
+
 class DecoderLayer(nn.Module):
     """The pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). A layer whose
     projections' formats have a C++ layer (layer_call: the quantized kernel's, or CPU float32
@@ -560,14 +581,25 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(h, cos, sin, kv_cache, meta, lora)
         return x + self.mlp(self.post_attention_layernorm(x, rows), rows, lora)
 
+    def operands(self) -> LayerOperands:
+        """What the layer's one C++ call takes besides its inputs and weights (the layer stack
+        reads them here too)."""
+        attn = self.self_attn
+        pre_attn, pre_mlp, post_attn, post_mlp = (None if n is None else n.weight
+                                                  for n in self.norms())  # fmt: skip
+        return LayerOperands(
+            pre_attn, pre_mlp, post_attn, post_mlp, self.input_layernorm.eps, attn.num_heads,
+            attn.num_kv_heads, attn.scale, attn.window, *attn.head_norms(), attn.rotary_dim,
+            self.mlp.gelu,
+        )  # fmt: skip
+
     def _fused(self, x, cos, sin, kv_cache, meta: RowAttention) -> torch.Tensor:  # x updated
         op, weights = self.fused
-        attn = self.self_attn
-        pre_attn, pre_mlp, *post = (None if n is None else n.weight for n in self.norms())
+        o = self.operands()
         op(
-            x, *weights, pre_attn, pre_mlp, self.input_layernorm.eps, cos, sin, kv_cache[0],
-            kv_cache[1], meta.slot_mapping, meta.block_tables, meta.row_tables, meta.seq_lens,
-            attn.num_heads, attn.num_kv_heads, attn.scale, attn.window, *attn.head_norms(),
-            attn.rotary_dim, *post, self.mlp.gelu,
+            x, *weights, o.pre_attn, o.pre_mlp, o.eps, cos, sin, kv_cache[0], kv_cache[1],
+            meta.slot_mapping, meta.block_tables, meta.row_tables, meta.seq_lens, o.num_heads,
+            o.num_kv_heads, o.scale, o.window, o.q_norm, o.k_norm, o.head_eps, o.rotary_dim,
+            o.post_attn, o.post_mlp, o.gelu,
         )  # fmt: skip
         return x

@@ -13,12 +13,14 @@
 #include <limits>
 #include <tuple>
 
+#include "model_ends.h"
 #include "simd.h"
 
 namespace tandem {
-namespace {
 
 #if TANDEM_HAVE_KERNEL
+namespace {
+
 // (the first index of row x[0, n)'s maximum, whether a NaN is among them)
 std::pair<int64_t, bool> argmax_row(const float* x, int64_t n) {
   const int64_t n8 = n / 8 * 8;
@@ -50,6 +52,8 @@ std::pair<int64_t, bool> argmax_row(const float* x, int64_t n) {
   return {0, false};  // (n == 0)
 }
 
+}  // namespace
+
 // logits [R, V] float32 (rows contiguous) -> argmax [R] int64, is_nan [R] bool
 std::tuple<at::Tensor, at::Tensor> argmax_rows(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
@@ -69,7 +73,6 @@ std::tuple<at::Tensor, at::Tensor> argmax_rows(const at::Tensor& logits) {
 }
 #endif
 
-}  // namespace
 }  // namespace tandem
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, lib) {

@@ -32,6 +32,7 @@
 #include "attend_rows.h"
 #include "kv_int8.h"
 #include "layer_pieces.h"
+#include "model_ends.h"
 #include "quant_matmul.h"
 #include "simd.h"
 
@@ -113,7 +114,21 @@ struct LayerStack : torch::CustomClassHolder {
     at::Tensor norm1, norm2;
     int64_t window, rope;  // rope: which of the step's (cos, sin) tables
   };
+  // The model around the layers, for `decode` (set_ends): the token embedding and the LM head
+  // as quantized matrices (codes, d, m; a tied pair reads the same tiles), Gemma's embedding
+  // scale (a float32 scalar tensor, or empty), each RoPE table's inv_freq, scaling and head
+  // dim, the final norm.
+  struct Ends {
+    std::vector<at::Tensor> embed, head;
+    int64_t embed_bits, head_bits, vocab_rows, head_rows, vocab_size;
+    at::Tensor embed_scale, norm;
+    double norm_eps;
+    std::vector<at::Tensor> inv_freq;
+    std::vector<double> rope_scaling;
+    std::vector<int64_t> rope_dim;
+  };
   std::vector<Layer> layers;
+  std::optional<Ends> ends;
   double eps, scale, head_eps;
   int64_t num_heads, num_kv_heads, rotary_dim;
   bool gelu;
@@ -162,6 +177,71 @@ struct LayerStack : torch::CustomClassHolder {
                   block_tables, row_tables, seq_lens, num_heads, num_kv_heads, scale, L.window,
                   L.q_norm, L.k_norm, head_eps, rotary_dim, L.post_norm1, L.post_norm2, gelu);
     }
+  }
+
+  void set_ends(std::vector<at::Tensor> embed, int64_t embed_bits, int64_t vocab_rows,
+                at::Tensor embed_scale, std::vector<at::Tensor> inv_freq,
+                std::vector<double> rope_scaling, std::vector<int64_t> rope_dim,
+                at::Tensor norm, double norm_eps, std::vector<at::Tensor> head,
+                int64_t head_bits, int64_t head_rows, int64_t vocab_size) {
+    TORCH_CHECK(embed.size() == 3 && head.size() == 3 && inv_freq.size() == rope_scaling.size() &&
+                    inv_freq.size() == rope_dim.size() && vocab_size <= head_rows,
+                "tandem_cpu: the ends are (codes, d, m) twice and one inv_freq, scaling and "
+                "head dim per RoPE table");
+    ends = Ends{embed, head, embed_bits, head_bits, vocab_rows, head_rows, vocab_size,
+                embed_scale, norm, norm_eps, inv_freq, rope_scaling, rope_dim};
+  }
+
+  // Greedy decode of B rows for S steps in one call: step s embeds ids (the given ones, then
+  // each row's pick of step s - 1), runs the layers at positions + s, slots[:, s] and
+  // context seq_lens + s, the final norm, the LM head and each row's first maximal logit over
+  // the vocabulary: the ops a step of single rows runs from Python (embedding, rope_rows,
+  // forward, rms_norm, linear_out, argmax_rows), in order, so the same bits. A row whose
+  // logits hold a NaN is flagged (its later steps mean nothing). Returns tokens, is_nan [B, S].
+  std::tuple<at::Tensor, at::Tensor> decode(at::Tensor ids, at::Tensor positions,
+                                            at::Tensor k_caches, at::Tensor v_caches,
+                                            at::Tensor slots, at::Tensor block_tables,
+                                            at::Tensor row_tables, at::Tensor seq_lens) {
+#if TANDEM_HAVE_KERNEL
+    TORCH_CHECK(ends.has_value(), "tandem_cpu: the stack has no ends to decode with");
+    const Ends& E = *ends;
+    const int64_t batch = ids.numel(), steps = slots.size(1);
+    TORCH_CHECK(slots.dim() == 2 && slots.size(0) == batch && positions.numel() == batch &&
+                    seq_lens.numel() == batch && row_tables.numel() == batch,
+                "tandem_cpu: decode takes ids, positions, row_tables, seq_lens [B], slots [B, S]");
+    const QuantizedMatrix head = matrix(E.head[0], E.head[1], E.head[2], E.head_bits,
+                                        E.head_rows, {});
+    at::Tensor tokens = at::empty({batch, steps}, ids.options().dtype(at::kLong));
+    at::Tensor is_nan = at::empty({batch, steps}, ids.options().dtype(at::kBool));
+    at::Tensor logits = at::empty({batch, E.head_rows}, E.norm.options());
+    at::Tensor id = ids.to(at::kLong).contiguous();
+    for (int64_t s = 0; s < steps; ++s) {
+      at::Tensor x = dequantize_rows(E.embed[0], E.embed[1], E.embed[2], E.embed_bits,
+                                     E.vocab_rows, E.norm.numel(), id);  // [B, hidden]
+      if (E.embed_scale.defined() && E.embed_scale.numel() == 1) x.mul_(E.embed_scale);
+      at::Tensor pos = positions.add(s).contiguous();
+      std::vector<at::Tensor> cos, sin;
+      for (size_t r = 0; r < E.inv_freq.size(); ++r) {
+        auto [c, sn] = rope_rows(pos, E.inv_freq[r], E.rope_scaling[r], E.rope_dim[r]);
+        cos.push_back(c);
+        sin.push_back(sn);
+      }
+      forward(x, cos, sin, k_caches, v_caches, slots.select(1, s).contiguous(), block_tables,
+              row_tables, seq_lens.add(s));
+      at::Tensor h = at::empty_like(x);
+      norm_rows(x.data_ptr<float>(), E.norm.data_ptr<float>(), static_cast<float>(E.norm_eps),
+                batch, x.size(1), h.data_ptr<float>());
+      linear(head, h.data_ptr<float>(), batch, h.size(1), logits.data_ptr<float>(),
+             E.head_rows);
+      auto [pick, nan] = argmax_rows(logits.narrow(1, 0, E.vocab_size));
+      tokens.select(1, s).copy_(pick);
+      is_nan.select(1, s).copy_(nan);
+      id = pick;
+    }
+    return {tokens, is_nan};
+#else
+    TORCH_CHECK(false, "tandem_cpu: built without AVX2 and FMA");
+#endif
   }
 };
 
@@ -241,7 +321,9 @@ TORCH_LIBRARY_FRAGMENT(tandem_cpu, lib) {
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
                        std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
                        double, int64_t, int64_t, double, double, int64_t, bool>())
-      .def("forward", &tandem::LayerStack::forward);
+      .def("forward", &tandem::LayerStack::forward)
+      .def("set_ends", &tandem::LayerStack::set_ends)
+      .def("decode", &tandem::LayerStack::decode);
 #if TANDEM_HAVE_KERNEL
   lib.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &tandem::rms_norm_op);
   lib.def(

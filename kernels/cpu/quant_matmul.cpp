@@ -49,6 +49,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "model_ends.h"
 #include "quant_layout.h"
 #include "quant_rows.h"
 #include "quant_tiles.h"
@@ -307,6 +308,8 @@ void linear_out(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
   linear(w, x.data_ptr<float>(), x.size(0), x.size(1), y.data_ptr<float>(), y.stride(0));
 }
 
+}  // namespace
+
 // out [R, k] float32: rows `index` of the matrix, each value d q + m as a float32 product then
 // a sum (QuantizedWeight.dequantize's order): a token embedding read from its tied LM head's
 // tiles, no second copy of the table.
@@ -366,9 +369,10 @@ at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& d, const a
   return out;
 }
 
+namespace {
 std::string isa() { return kIsa; }
-
 }  // namespace
+
 }  // namespace tandem
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, lib) {

@@ -11,8 +11,9 @@
 #include <cmath>
 #include <tuple>
 
+#include "model_ends.h"
+
 namespace tandem {
-namespace {
 
 // cos, sin [N, 1, D] for positions [N] and inv_freq [R / 2], as engine/models/layers.py's
 // RotaryTables: columns j and j + R / 2 (j < R / 2) at angle p inv_freq[j], times scaling;
@@ -48,7 +49,6 @@ std::tuple<at::Tensor, at::Tensor> rope_rows(const at::Tensor& positions,
   return {cos, sin};
 }
 
-}  // namespace
 }  // namespace tandem
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, lib) {

@@ -174,17 +174,17 @@ def test_sampling_brings_back_tokens_not_logits(tiny_llama, device, monkeypatch)
     vocabulary; seeded requests reproduce; and with speculation a seeded request emits
     what it emits without (its generator set back after each walk). float32, so plain and
     verification steps agree up to rounding on CUDA too."""
-    from engine import model_runner
+    from engine import step_results
     from engine.device import map_tensors
 
     widest = []
 
-    class WatchedCopy(model_runner.HostCopy):
-        def __init__(self, results):
+    class WatchedCopy(step_results.HostCopy):
+        def __init__(self, results, device=None):
             map_tensors(results, lambda t: widest.append(t.shape[-1]) if t.dim() > 1 else None)
-            super().__init__(results)
+            super().__init__(results, device)
 
-    monkeypatch.setattr(model_runner, "HostCopy", WatchedCopy)
+    monkeypatch.setattr(step_results, "HostCopy", WatchedCopy)
     kwargs = dict(device=device, dtype="float32", num_kv_blocks=64)
     plain = LLM(str(tiny_llama), **kwargs)
     first, again = (plain.generate(PROMPTS, SAMPLED, use_tqdm=False) for _ in range(2))

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-import engine.model_runner as model_runner
+import engine.step_results as step_results
 from engine import LLM, SamplingParams
 from engine.errors import ParamError
 from models import VOCAB
@@ -259,7 +259,7 @@ def test_engine_recovers_after_a_failed_step(llm, monkeypatch):
     def failing_sample(*args, **kwargs):
         raise RuntimeError("injected sampler failure")
 
-    monkeypatch.setattr(model_runner, "HostCopy", failing_sample)
+    monkeypatch.setattr(step_results, "HostCopy", failing_sample)
     with pytest.raises(RuntimeError, match="injected"):
         llm.generate([[1, 2, 3], [4, 5, 6]], GREEDY, use_tqdm=False)
     monkeypatch.undo()

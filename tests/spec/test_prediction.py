@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams, model_runner
+from engine import LLM, SamplingParams, step_results
 from engine.entrypoints.llm import chat_prompt_ids
 from engine.errors import ParamError
 from engine.grammar import matcher as grammar_matcher
@@ -221,7 +221,7 @@ def test_a_verifier_that_accepts_every_prediction_draft_fails_the_comparison(
     want = tokens(generate(llm, params))
     runner = llm.engine.runner
     runner.backend = dataclasses.replace(runner.backend, verify_kernel=accept_every_draft)
-    monkeypatch.setattr(model_runner, "verify_greedy", accept_every_greedy_draft)
+    monkeypatch.setattr(step_results, "verify_greedy", accept_every_greedy_draft)
     got = tokens(generate(llm, with_predictions(params, want)))
     assert got[0] == want[0]  # the exact prediction: nothing to tell
     assert [g == w for g, w in zip(got, want, strict=True)].count(False) >= 5

@@ -106,3 +106,49 @@ def test_a_model_off_the_quantized_kernel_has_no_stack(tmp_path):
 
     llm = LLM(str(make_tiny_model(tmp_path / "tiny", "llama")), quantization=None)
     assert llm.engine.runner.model.stack is None
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_decode_equals_steps_through_the_model_and_its_head(tmp_path, arch, kv_cache_dtype):
+    """The stack's decode (embedding to argmax in C++, S steps each fed the last one's picks)
+    gives the tokens and caches of S steps of forward, the LM head and argmax_rows."""
+    from engine.attention import row_metadata, slot_ids
+    from engine.sampler import argmax_rows
+
+    llm = tiny_llm(tmp_path, arch, kv_cache_dtype)
+    model = llm.engine.runner.model
+    stack, vocab = model.stack, model.config.vocab_size
+    assert stack.decodes
+    tables, steps = [[1, 2, 3], [4, 5], [6, 7, 8, 9]], 3
+    starts = [7, 2, 11]  # each request's context before the first step (keys below)
+    g = torch.Generator().manual_seed(1)
+    caches = cloned(llm.engine.runner.kv_caches)
+    num_kv_heads, d = model.layers[0].self_attn.num_kv_heads, model.config.head_dim
+    for layer in range(len(model.layers)):
+        rows = torch.randn(2, 16 * 4, num_kv_heads, d, generator=g)
+        if kv_cache_dtype == "int8":
+            kv_int8.store(caches.k[layer], caches.v[layer], *rows, torch.arange(16 * 4))
+        else:
+            caches[layer].copy_(rows.view(2, 16, 4, num_kv_heads, d).permute(0, 3, 1, 2, 4))
+    ids = torch.randint(0, vocab, (3,), generator=g)
+    positions = torch.tensor(starts)
+    slots = torch.tensor([slot_ids(t, s, steps, 4) for t, s in zip(tables, starts, strict=True)])
+    by_decode, by_steps = cloned(caches), cloned(caches)
+    ones = [1, 1, 1]
+    with torch.inference_mode():
+        last = [s + steps for s in starts]  # the context the last step sees
+        meta = row_metadata(last, ones, tables, slots, 4)
+        meta.seq_lens = positions + 1  # the first step's; decode adds s at step s
+        tokens, is_nan = stack.decode(ids, positions, by_decode, meta)
+        expected, step_ids = [], ids
+        for s in range(steps):
+            lens = [p + s + 1 for p in starts]
+            meta_s = row_metadata(lens, ones, tables, slots[:, s].contiguous(), 4)
+            hidden = model(step_ids, positions + s, by_steps, meta_s)
+            step_ids, nan = argmax_rows(model.lm_head(hidden)[:, :vocab])
+            assert not nan.any()
+            expected.append(step_ids)
+    assert torch.equal(tokens, torch.stack(expected, dim=1)) and not is_nan.any()
+    assert all(map(torch.equal, tensors(by_decode), tensors(by_steps)))
+    assert not all(map(torch.equal, tensors(by_decode), tensors(caches)))
