@@ -98,7 +98,10 @@ def measure(name: str, threads: int, repeats: int) -> dict[str, tuple[list[float
             sys.exit(f"{name}: the default path has no C++ decode here (no kernels?)")
     clocks = {id(llm): CppClock(llm.engine.runner.model) for llm in set(engines.values())}
     llm = engines["generate"]
-    prompt = llm.apply_chat_template([{"role": "user", "content": PROMPT}])
+    if getattr(llm.tokenizer, "chat_template", None):
+        prompt = llm.apply_chat_template([{"role": "user", "content": PROMPT}])
+    else:  # (a base model: Gemma 3 270M)
+        prompt = llm.tokenizer.encode(PROMPT)
     got: dict[str, tuple[list[float], list[float]]] = {m: ([], []) for m in engines}
     tokens: dict[str, list[int]] = {}  # the first run's, which every run must repeat
     for rep in range(repeats + 1):  # the first: warm-up

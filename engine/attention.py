@@ -187,7 +187,7 @@ def _bucket(
     block_size: int,
     sliding_window: int | None,
 ) -> QueryBucket:
-    tables = _padded_tables(
+    tables = padded_tables(
         [block_tables[i] for i in members], [seq_lens[i] for i in members], block_size
     ).long()
     key_pos = torch.arange(tables.shape[1] * block_size)[None, :, None]  # [1, L, 1]
@@ -256,7 +256,7 @@ def varlen_metadata(
     sliding_window: int | None = None,
 ) -> VarlenAttention:
     """The Triton kernels' layout (a Layout)."""
-    tables = _padded_tables(block_tables, seq_lens, block_size)
+    tables = padded_tables(block_tables, seq_lens, block_size)
     starts = host_tensor([0, *itertools.accumulate(query_lens)], torch.int32)
     seq_lens_t = host_tensor(seq_lens, torch.int32)
     return VarlenAttention(
@@ -276,16 +276,20 @@ def row_metadata(
     for i, (num_tokens, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
         row_tables += [i] * num_tokens
         row_lens += range(seq_len - num_tokens + 1, seq_len + 1)
-    tables = _padded_tables(block_tables, seq_lens, block_size).long()
+    tables = padded_tables(block_tables, seq_lens, block_size, torch.long)
     return RowAttention(tables, host_tensor(row_tables), host_tensor(row_lens), slot_mapping)
 
 
-def _padded_tables(
-    block_tables: list[list[int]], seq_lens: list[int], block_size: int
-) -> torch.Tensor:  # [len(block_tables), max blocks] int32, padded with the null block
+def padded_tables(
+    block_tables: list[list[int]],
+    seq_lens: list[int],
+    block_size: int,
+    dtype: torch.dtype = torch.int32,
+) -> torch.Tensor:  # [len(block_tables), max blocks], padded with the null block
     """Each request's blocks that hold its seq_len tokens, as one table."""
     width = max(-(-n // block_size) for n in seq_lens)
     return padded_rows(
         [table[: -(-n // block_size)] for table, n in zip(block_tables, seq_lens, strict=True)],
         width,
+        dtype=dtype,
     )

@@ -17,9 +17,14 @@ def host_tensor(values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
     return torch.from_numpy(np.array(values, dtype=_NUMPY[dtype]))
 
 
-def padded_rows(rows: list[list[int]], width: int, num_rows: int | None = None) -> torch.Tensor:
-    """[num_rows or len(rows), width] int32 CPU tensor: each row cut or padded with 0 (the
-    null block) to width; rows past len(rows) all 0. One conversion for the whole table."""
+def padded_rows(
+    rows: list[list[int]],
+    width: int,
+    num_rows: int | None = None,
+    dtype: torch.dtype = torch.int32,
+) -> torch.Tensor:
+    """[num_rows or len(rows), width] CPU tensor (int32 or int64): each row cut or padded with
+    0 (the null block) to width; rows past len(rows) all 0. One conversion for the table."""
     pad = [0] * width
     flat = []
     for row in rows:
@@ -28,7 +33,7 @@ def padded_rows(rows: list[list[int]], width: int, num_rows: int | None = None) 
             flat += pad[: width - len(row)]
     num_rows = len(rows) if num_rows is None else num_rows
     flat += [0] * (width * (num_rows - len(rows)))
-    return host_tensor(flat, torch.int32).view(num_rows, width)
+    return host_tensor(flat, dtype).view(num_rows, width)
 
 
 def to_device(obj, device: torch.device):

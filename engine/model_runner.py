@@ -28,7 +28,7 @@ from dataclasses import replace
 
 import torch
 
-from engine.attention import row_metadata, slot_ids
+from engine.attention import RowAttention, padded_tables, slot_ids
 from engine.backends import TORCH, Backend
 from engine.cuda_graphs import GraphRunner
 from engine.device import host_tensor, to_device
@@ -264,22 +264,20 @@ class ModelRunner:
 
     def _decode(self, items: list[ForwardItem], tables, steps: int) -> PendingStep:
         """One token per request, then steps - 1 more (lookahead slots), in one call: the
-        members' tokens [B, steps]."""
+        members' tokens [B, steps]. Each row is its request's (row_tables 0 .. B - 1) and sees
+        its context up to itself at the first step (the stack adds a position a step)."""
+        bs, num_rows = self.block_size, len(items)
         starts = [item.start for item in items]
-        slots = host_tensor(
-            [
-                s
-                for it in items
-                for s in slot_ids(tables[it.request], it.start, steps, self.block_size)
-            ]
+        own = [tables[item.request] for item in items]
+        slots = [s for table, start in zip(own, starts, strict=True)
+                 for s in slot_ids(table, start, steps, bs)]  # fmt: skip
+        pos = host_tensor(starts)  # [B]
+        meta = RowAttention(
+            padded_tables(own, [start + steps for start in starts], bs, torch.long),
+            torch.arange(num_rows),
+            pos + 1,
+            host_tensor(slots).view(num_rows, steps),
         )
-        last = [start + steps for start in starts]  # the context of the last step
-        ones = [1] * len(items)
-        meta = row_metadata(
-            last, ones, [tables[it.request] for it in items], slots, self.block_size
-        )
-        pos = host_tensor(starts)
-        meta = replace(meta, seq_lens=pos + 1, slot_mapping=slots.view(len(items), steps))
         ids = host_tensor([item.token_ids[0] for item in items])
         tokens, is_nan = self.model.stack.decode(ids, pos, self.kv_caches, meta)
         self.sampled = None
