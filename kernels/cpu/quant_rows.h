@@ -24,21 +24,6 @@ using namespace layout;
 #define TANDEM_PAIRED_HALVES 1
 constexpr int kPairedRows = 4;  // activation rows per pass over a tile (16 int16 sums live)
 
-// Group g's parameters for half `half` as float32, as `tile` forms them: d and m (Q6_K: s of
-// the group's two halves of 16 inputs).
-template <int BITS, typename S>
-[[gnu::always_inline]] inline void group_params(const uint8_t* d, const uint8_t* m, int64_t g,
-                                                int half, __m256& first, __m256& second) {
-  if constexpr (std::is_same_v<S, Q6>) {
-    first = q6_scales8(d, g, 0, half);
-    second = q6_scales8(d, g, 1, half);
-  } else {
-    first = params8<S>(d, g, half);
-    second = std::is_same_v<S, Centered> ? _mm256_mul_ps(first, _mm256_set1_ps(center(BITS)))
-                                         : params8<S>(m, g, half);
-  }
-}
-
 // A tile's parameters as float32 [groups, 2 (first, second), 16].
 template <int BITS, typename S>
 inline void expand_params(const uint8_t* d, const uint8_t* m, int64_t groups, float* out) {
@@ -52,25 +37,6 @@ inline void expand_params(const uint8_t* d, const uint8_t* m, int64_t groups, fl
   }
 }
 
-// Chunk c's half `half` of a group unit u as bytes: WIDE, `widen`'s 8-bit unit; else BITS-bit
-// codes as stored (unpack's steps for one chunk).
-template <int BITS, bool WIDE>
-[[gnu::always_inline]] inline __m256i chunk_half(const uint8_t* u, int c, int half) {
-  auto load = [&](int64_t at) {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + at + 32 * half));
-  };
-  if constexpr (WIDE) {
-    return load(64 * c);
-  } else {
-    const __m256i low = _mm256_set1_epi8(0x0F), v = load(64 * (c % 4));
-    __m256i q = _mm256_and_si256(c < 4 ? v : _mm256_srli_epi16(v, 4), low);
-    if constexpr (BITS == 5 || BITS == 6) {
-      q = _mm256_or_si256(q, high_bits<BITS>(load(256 + 64 * (c / (8 / (BITS - 4)))), c));
-    }
-    return q;
-  }
-}
-
 // MT rows (first..) against one tile: codes as chunk_half reads them; parameters from
 // `expanded` (expand_params') when WIDE, else from d and m. Per chunk: one broadcast of a
 // row's activation word, a multiply for each half; int16 sums of K chunks as dot_chunks' (the
@@ -81,7 +47,7 @@ inline void tile_paired(const uint8_t* w, const uint8_t* d, const uint8_t* m,
                         int64_t ldy, int64_t width, const float* bias) {
   constexpr bool q6 = std::is_same_v<S, Q6>;
   static_assert(BITS <= 6);
-  constexpr int K = BITS <= 4 ? 8 : BITS == 5 ? 4 : 2;
+  constexpr int K = pair_chunks(BITS);
   const int64_t groups = a.kp / G, unit = unit_bytes(WIDE ? 8 : BITS);
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[2][MT];  // [half][row]
@@ -147,13 +113,7 @@ inline void tile_paired(const uint8_t* w, const uint8_t* d, const uint8_t* m,
     }
   }
   for (int half = 0; half < 2 && 8 * half < width; ++half) {
-    const int64_t n = std::min<int64_t>(8, width - 8 * half);
-    for (int t = 0; t < MT; ++t) {
-      alignas(32) float out[8];
-      _mm256_store_ps(out, acc[half][t]);
-      float* row = y + (first + t) * ldy + 8 * half;
-      for (int64_t j = 0; j < n; ++j) row[j] = bias ? out[j] + bias[8 * half + j] : out[j];
-    }
+    store_half<MT>(acc[half], first, half, y, ldy, width, bias);
   }
 }
 #else

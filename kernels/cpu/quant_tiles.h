@@ -135,27 +135,60 @@ inline void tile(const uint8_t* w, const uint8_t* d, const uint8_t* m, const Act
   }
 }
 #else
-// One tile's group u -> half `half`'s 8 chunks of codes as bytes (as the 512-bit path's: this
-// half's 32 bytes of each chunk).
+// Chunk c's half `half` of a group unit u as bytes (as the 512-bit path's: this half's 32 bytes
+// of the chunk): WIDE (`widen`'s 8-bit units) or 8-bit codes as stored; else BITS-bit codes
+// unpacked, the low nibbles, then 5- and 6-bit codes' higher bits (byte-sliced: high_bits).
+template <int BITS, bool WIDE>
+[[gnu::always_inline]] inline __m256i chunk_half(const uint8_t* u, int c, int half) {
+  auto load = [&](int64_t at) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + at + 32 * half));
+  };
+  if constexpr (WIDE || BITS == 8) {
+    return load(64 * c);
+  } else {
+    const __m256i low = _mm256_set1_epi8(0x0F), v = load(64 * (c % 4));
+    __m256i q = _mm256_and_si256(c < 4 ? v : _mm256_srli_epi16(v, 4), low);
+    if constexpr (BITS == 5 || BITS == 6) {
+      q = _mm256_or_si256(q, high_bits<BITS>(load(256 + 64 * (c / (8 / (BITS - 4)))), c));
+    }
+    return q;
+  }
+}
+
+// One tile's group u -> half `half`'s 8 chunks of codes as bytes.
 template <int BITS>
 [[gnu::always_inline]] inline void unpack(const uint8_t* u, int half, __m256i chunk[8]) {
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  for (int c = 0; c < (BITS == 8 ? 8 : 4); ++c) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 64 * c + 32 * half));
-    if constexpr (BITS == 8) {
-      chunk[c] = v;
-    } else {
-      chunk[c] = _mm256_and_si256(v, low);
-      chunk[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-    }
-  }
-  if constexpr (BITS == 5 || BITS == 6) {
 #pragma GCC unroll 8
-    for (int c = 0; c < 8; ++c) {
-      const __m256i v = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(u + 256 + 64 * (c / (8 / (BITS - 4))) + 32 * half));
-      chunk[c] = _mm256_or_si256(chunk[c], high_bits<BITS>(v, c));
-    }
+  for (int c = 0; c < 8; ++c) chunk[c] = chunk_half<BITS, false>(u, c, half);
+}
+
+// Group g's parameters for half `half` as float32: d and m (Centered: m = center(BITS) d; Q6_K:
+// the scales s of the group's two halves of 16 inputs).
+template <int BITS, typename S>
+[[gnu::always_inline]] inline void group_params(const uint8_t* d, const uint8_t* m, int64_t g,
+                                                int half, __m256& first, __m256& second) {
+  if constexpr (std::is_same_v<S, Q6>) {
+    first = q6_scales8(d, g, 0, half);
+    second = q6_scales8(d, g, 1, half);
+  } else {
+    first = params8<S>(d, g, half);
+    second = std::is_same_v<S, Centered> ? _mm256_mul_ps(first, _mm256_set1_ps(center(BITS)))
+                                         : params8<S>(m, g, half);
+  }
+}
+
+// Half `half`'s outputs (at most 8, width: the tile's real ones) of rows first .. first + MT - 1
+// (acc[t]), plus the bias, into y.
+template <int MT>
+[[gnu::always_inline]] inline void store_half(const __m256* acc, int64_t first, int half,
+                                              float* y, int64_t ldy, int64_t width,
+                                              const float* bias) {
+  const int64_t n = std::min<int64_t>(8, width - 8 * half);
+  for (int t = 0; t < MT; ++t) {
+    alignas(32) float out[8];
+    _mm256_store_ps(out, acc[t]);
+    float* row = y + (first + t) * ldy + 8 * half;
+    for (int64_t j = 0; j < n; ++j) row[j] = bias ? out[j] + bias[8 * half + j] : out[j];
   }
 }
 
@@ -193,8 +226,10 @@ inline void tile(const uint8_t* w, const uint8_t* d, const uint8_t* m, const Act
       }
       __m256i chunk[8];
       unpack<WIDE ? 8 : BITS>(w + g * unit, half, chunk);
+      __m256 first_param, second_param;  // d and m, or Q6_K's s of each half-group
+      group_params<BITS, S>(d, m, g, half, first_param, second_param);
       if constexpr (std::is_same_v<S, Q6>) {  // as the 512-bit path
-        const __m256 s0 = q6_scales8(d, g, 0, half), s1 = q6_scales8(d, g, 1, half);
+        const __m256 s0 = first_param, s1 = second_param;
         for (int t = 0; t < MT; ++t) {
           const int64_t r = first + t;
           const int8_t* p = a.p + r * a.kp + g * G;
@@ -207,10 +242,7 @@ inline void tile(const uint8_t* w, const uint8_t* d, const uint8_t* m, const Act
         }
         continue;
       }
-      const __m256 dg = params8<S>(d, g, half);
-      const __m256 mg = std::is_same_v<S, Centered>
-                            ? _mm256_mul_ps(dg, _mm256_set1_ps(center(BITS)))
-                            : params8<S>(m, g, half);
+      const __m256 dg = first_param, mg = second_param;
       for (int t = 0; t < MT; ++t) {
         const int64_t r = first + t;
         const int8_t* p = a.p + r * a.kp + g * G;
@@ -220,13 +252,7 @@ inline void tile(const uint8_t* w, const uint8_t* d, const uint8_t* m, const Act
         acc[t] = _mm256_fmadd_ps(mg, _mm256_set1_ps(a.sx[r * groups + g]), acc[t]);
       }
     }
-    const int64_t n = std::min<int64_t>(8, width - 8 * half);
-    for (int t = 0; t < MT; ++t) {
-      alignas(32) float out[8];
-      _mm256_store_ps(out, acc[t]);
-      float* row = y + (first + t) * ldy + 8 * half;
-      for (int64_t j = 0; j < n; ++j) row[j] = bias ? out[j] + bias[8 * half + j] : out[j];
-    }
+    store_half<MT>(acc, first, half, y, ldy, width, bias);
   }
 }
 #endif

@@ -55,12 +55,15 @@ constexpr const char* kIsa = "avx2";
   return _mm256_maddubs_epi16(w, _mm256_set1_epi32(word(p)));
 }
 
+// Chunks whose pairs may be summed in int16 before widening (the bound above).
+constexpr int pair_chunks(int bits) { return bits <= 4 ? 8 : bits == 5 ? 4 : 2; }
+
 template <int BITS, int N>
 [[gnu::always_inline]] inline __m256i dot_chunks(__m256i acc, const __m256i* chunk,
                                                  const int8_t* p) {
   const __m256i ones = _mm256_set1_epi16(1);
   if constexpr (BITS <= 6) {
-    constexpr int K = BITS <= 4 ? 8 : BITS == 5 ? 4 : 2;
+    constexpr int K = pair_chunks(BITS);
     for (int c0 = 0; c0 < N; c0 += K) {
       __m256i sum = pairs(chunk[c0], p + 4 * c0);
       for (int c = c0 + 1; c < c0 + K && c < N; ++c) {
