@@ -17,6 +17,8 @@ INVALID = [
     ("kv_cache_memory_bytes", 1.5),
     ("num_kv_blocks", 1),
     ("num_threads", 0),
+    ("num_scheduler_steps", 0),
+    ("num_scheduler_steps", 65),
     ("speculative_method", "medusa"),
     ("quantization", "int3"),
     ("draft_quantization", "fp8"),
