@@ -188,8 +188,8 @@ def _bucket(
     sliding_window: int | None,
 ) -> QueryBucket:
     tables = padded_tables(
-        [block_tables[i] for i in members], [seq_lens[i] for i in members], block_size
-    ).long()
+        [block_tables[i] for i in members], [seq_lens[i] for i in members], block_size, torch.long
+    )
     key_pos = torch.arange(tables.shape[1] * block_size)[None, :, None]  # [1, L, 1]
     lens = host_tensor([seq_lens[i] for i in members])[:, None, None]  # [n, 1, 1]
     q_pos = lens - num_queries + torch.arange(num_queries)[None, None, :]  # [n, 1, Q]

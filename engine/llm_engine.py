@@ -342,14 +342,13 @@ class LLMEngine:
             self.scheduler.step_budget.observe(sched.total_tokens, time.perf_counter() - step.t0)
         if self.speculation.active:
             self.speculation.observe_step(sched, step.t0, step.t1, time.perf_counter())
-        emitted = {r: len(tokens) for r, tokens in result.sampled} if sched.lookahead else {}
         for request, _, k in sched.scheduled():
             if request.is_finished:
                 continue
             num_accepted = result.num_accepted.get(request, 0)
             request.num_computed_tokens += num_accepted
             if k and sched.lookahead:  # its tokens are plain; free the slots it did not fill
-                result.kinds[request] = "p" * emitted.get(request, 0)
+                result.kinds[request] = "p" * (num_accepted + 1)
                 self.kv.trim(request)
                 self.kv.cache_blocks(request)
             elif k:

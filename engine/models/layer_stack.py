@@ -72,10 +72,10 @@ class LayerStack:
             return None
         return cls(layers, ropes)
 
-    def set_ends(self, model) -> bool:
+    def set_ends(self, model) -> None:
         """The model's embedding, RoPE tables, final norm and LM head into the stack, where
         they are the C++ kernel's (a quantized embedding and whole head in its tiles, RoPE
-        computed per row); whether they are (`decode` needs them)."""
+        computed per row): then `decodes` (`decode` needs them)."""
         embed, head = model.embed_tokens.format, model.lm_head.format
         tables = [model.rotary[name] for name in self.ropes]
         if not (
@@ -86,7 +86,7 @@ class LayerStack:
             and model.lm_head.parallel.world == 1
             and all(t.cos is None for t in tables)
         ):
-            return False
+            return
         scale = model.embed_scale
         self.op.set_ends(
             list(embed.tiles[:3]), embed.tiles[3], embed.rows,
@@ -98,7 +98,6 @@ class LayerStack:
             model.config.vocab_size,
         )  # fmt: skip
         self.decodes = True
-        return True
 
     def decode(
         self,

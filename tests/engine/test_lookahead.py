@@ -93,3 +93,26 @@ def test_lookahead_steps_writing_the_first_steps_slots_break_it(one_step, monkey
     prompts, want, _ = one_step
     llm = LLM(MODEL, enable_prefix_caching=False)
     assert generate(llm, prompts, greedy()) != want
+
+
+def test_nan_logits_in_a_decode_call_end_the_request(one_step):
+    """A decode call whose logits are NaN (the final norm's weight poisoned after the prompt's
+    step) ends its request with finish_reason "error", every block back in the pool; the
+    engine then serves the same request as before. Without the check the request would
+    finish "length" with NaN's argmax as tokens."""
+    prompts, want, _ = one_step
+    llm = LLM(MODEL, enable_prefix_caching=False)
+    engine, norm = llm.engine, llm.engine.runner.model.norm.weight
+    params = greedy()[0].with_output_kind(RequestOutputKind.FINAL_ONLY)
+    engine.add_request("victim", prompts[0], params)
+    engine.step()  # the prompt's step (its first token: the Python path)
+    saved = norm.clone()
+    norm.fill_(float("nan"))
+    finals = []
+    while engine.has_unfinished_requests():
+        finals += [out for out in engine.step() if out.finished]
+    norm.copy_(saved)
+    assert [out.outputs[0].finish_reason for out in finals] == ["error"]
+    snap = engine.snapshot()
+    assert snap["num_free_blocks"] == snap["num_blocks"]
+    assert generate(llm, [prompts[0]], [greedy()[0]]) == [want[0]]
