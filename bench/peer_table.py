@@ -47,20 +47,14 @@ def read_bandwidth(threads: int, repeats: int = 5) -> float:
 
 def weight_bytes(model) -> int:
     """Bytes of every weight format's tensors (shared ones once): what a decode step reads."""
+    from engine.models.huge_pages import module_tensors
+
     seen, total = set(), 0
-    for module in model.modules():
-        for value in vars(module).values():
-            tensors = value if isinstance(value, tuple) else (value,)
-            for t in tensors:
-                if isinstance(t, torch.Tensor) and t.layout == torch.strided:
-                    key = t.untyped_storage().data_ptr()
-                    if key not in seen:
-                        seen.add(key)
-                        total += t.untyped_storage().nbytes()
-    for p in model.parameters():  # norms, dense biases
-        if p.untyped_storage().data_ptr() not in seen:
-            seen.add(p.untyped_storage().data_ptr())
-            total += p.untyped_storage().nbytes()
+    for t in module_tensors(model):  # parameters, and tensors in attributes (segments too)
+        key = t.untyped_storage().data_ptr()
+        if t.layout == torch.strided and key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
     return total
 
 

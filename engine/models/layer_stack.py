@@ -31,14 +31,15 @@ class LayerStack:
     order a step's (cos, sin) tables are handed over."""
 
     def __init__(self, layers, ropes: list[str]):
-        weights, bits, sizes, tensors, windows, rope_of = [], [], [], [], [], []
+        weights, bits, sizes, parts, tensors, windows, rope_of = [], [], [], [], [], [], []
         shared = None
         for layer in layers:
-            _, (w, b, s, qkv_bias) = layer.fused
+            _, (w, b, s, p, qkv_bias) = layer.fused
             o = layer.operands()
             weights += w
             bits += b
             sizes += s
+            parts += p
             tensors += [
                 t if t is not None else _NONE
                 for t in (o.pre_attn, o.pre_mlp, qkv_bias, o.q_norm, o.k_norm, o.post_attn,
@@ -53,7 +54,7 @@ class LayerStack:
             shared = mine
         self.ropes = ropes
         self.op = torch.classes.tandem_cpu.LayerStack(
-            weights, bits, sizes, tensors, windows, rope_of, *shared
+            weights, bits, sizes, parts, tensors, windows, rope_of, *shared
         )
         self.num_layers = len(layers)
         self.decodes = False  # the model's ends are in the stack too (set_ends)

@@ -32,7 +32,12 @@ from engine.attention import AttentionMetadata, RowAttention
 from engine.models.config import ModelConfig
 from engine.models.parallel import ONE_RANK, Parallel
 from engine.models.quant import linear_int8, pack_int8
-from engine.models.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedWeight
+from engine.models.quantized import (
+    QUANTIZED,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    QuantizedWeight,
+)
 
 if TYPE_CHECKING:
     from lora.batch import LoRABatch
@@ -168,20 +173,20 @@ class Linear(nn.Module):
         self.format: nn.Module | None = None  # Dense, Packed, DynamicInt8, QuantizedLinear
 
     def load(self, weight, bias: torch.Tensor | None, device, dtype: torch.dtype) -> None:
-        """The whole layer's weight ([out, in] floats, or a QuantizedWeight) and bias; this
-        rank keeps its share, in the form the weight came in."""
+        """The whole layer's weight ([out, in] floats, a QuantizedWeight or QuantizedRows)
+        and bias; this rank keeps its share, in the form the weight came in."""
         if (bias is not None) != self.has_bias:
             raise ValueError(f"a bias was {'not ' * self.has_bias}expected")
         weight, bias = self._share(weight, bias)
         if bias is not None:
             bias = bias.to(device=device, dtype=dtype)
-        if isinstance(weight, QuantizedWeight):
+        if isinstance(weight, QUANTIZED):
             self.format = QuantizedLinear(weight, bias, device, dtype)
         else:
             self.format = Dense(weight.to(device=device, dtype=dtype), bias)
 
     def _share(self, weight, bias):
-        p, quantized = self.parallel, isinstance(weight, QuantizedWeight)
+        p, quantized = self.parallel, isinstance(weight, QUANTIZED)
         if self.split == "column":
             rows = p.rows(self.parts or [weight.out_features if quantized else weight.shape[0]])
             weight = weight.rows(rows) if quantized else weight[rows].contiguous()
@@ -489,17 +494,20 @@ def on_tandem_kernel(linears) -> bool:
 def layer_call(linears, dense: bool = True) -> tuple | None:
     """The one C++ call that runs a decoder layer over its four projections (qkv, o, gate_up,
     down), and the operands their weight formats give it: fused_layer over the quantized
-    kernel's tiles (no MLP bias), dense_layer over CPU float32 weights, plain or oneDNN-packed
-    (any biases; dense=False: none, as under the Triton backend, whose kernels attend dense
-    layers' rows). None where the formats share no such call or the C++ kernels cannot run."""
+    kernel's tiles (each projection's segments: (codes, scales, offsets) each, their widths
+    and rows, and how many a projection has; no MLP bias), dense_layer over CPU float32
+    weights, plain or oneDNN-packed (any biases; dense=False: none, as under the Triton
+    backend, whose kernels attend dense layers' rows). None where the formats share no such
+    call or the C++ kernels cannot run."""
     formats = [m.format for m in linears]
     if on_tandem_kernel(linears):
         if formats[2].bias is not None:
             return None
-        weights = [t for f in formats for t in (f.codes, f.scales, f.offsets)]
-        sizes = [f.out_features for f in formats]
-        bits = [f.bits for f in formats]
-        return torch.ops.tandem_cpu.fused_layer, (weights, bits, sizes, formats[0].bias)
+        segments = [s for f in formats for s in f.segments]
+        weights = [t for s in segments for t in (s.codes, s.scales, s.offsets)]
+        bits, rows = [s.bits for s in segments], [s.rows for s in segments]
+        parts = [len(f.segments) for f in formats]
+        return torch.ops.tandem_cpu.fused_layer, (weights, bits, rows, parts, formats[0].bias)
     operands = [getattr(f, "layer_operands", lambda: None)() for f in formats]
     if not dense or any(o is None or o[0] != "dense" for o in operands):
         return None

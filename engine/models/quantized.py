@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -166,9 +167,24 @@ class QuantizedWeight:
         )
 
     @staticmethod
-    def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
-        """Stack output rows (fused q/k/v, gate/up); mixed widths widen to the widest; the
-        file's super-blocks kept where every part has them."""
+    def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight | QuantizedRows:
+        """Stack output rows (fused q/k/v, gate/up). Parts of one form (width, inputs per
+        scale, the file's super-blocks or not) become one weight; parts of several stay
+        segments in their own forms (`QuantizedRows`: a Q6_K v beside Q4_K q and k)."""
+        segments: list[list[QuantizedWeight]] = []
+        for p in parts:
+            if segments and _form(segments[-1][0]) == _form(p):
+                segments[-1].append(p)
+            else:
+                segments.append([p])
+        merged = [s[0] if len(s) == 1 else QuantizedWeight._stack(s) for s in segments]
+        return merged[0] if len(merged) == 1 else QuantizedRows(merged)
+
+    @staticmethod
+    def _stack(parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """Parts' rows as one weight: mixed scale groups requantized to GROUP (`affine`),
+        mixed widths widened to the widest, the file's super-blocks kept where every part has
+        them."""
         if len({p.group for p in parts}) > 1:
             parts = [p.affine() for p in parts]
         bits = max(p.bits for p in parts)
@@ -212,6 +228,59 @@ class QuantizedWeight:
         # hi half: (hi - 8) 16d + 128d = 16 d hi; lo half: (lo - 8) d + (8 d + m) = d lo + m
         codes = torch.cat([self.codes >> 4, self.codes & 15], dim=1)
         return codes, torch.cat([16 * d, d], 1), torch.cat([128 * d, 8 * d + m], 1)
+
+
+def _form(weight: QuantizedWeight) -> tuple[int, int, bool]:
+    """What decides a weight's layout in memory: code width, inputs per scale, the file's
+    super-blocks or plain tables."""
+    return weight.bits, weight.group, weight.blocks is not None
+
+
+@dataclass
+class QuantizedRows:
+    """One projection's output rows in segments of different forms, each kept as its file
+    holds it (a Q4_K_M file's q and k in Q4_K beside a v in Q6_K; Q5_0 beside Q8_0): stacking
+    them into one matrix would widen the narrower codes (more bytes read per token) and
+    requantize a Q6_K (values off the file's). The kernels write each segment's outputs side
+    by side; a backend that takes one matrix gets `merged()`."""
+
+    parts: list[QuantizedWeight]
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.out_features for p in self.parts)
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0].in_features
+
+    def merged(self) -> QuantizedWeight:
+        """One matrix of all rows (widened, Q6_K requantized to GROUP: see QuantizedWeight)."""
+        return QuantizedWeight._stack(self.parts)
+
+    def dequantize(self) -> torch.Tensor:  # [N, K] float32
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    def columns(self, start: int, end: int) -> QuantizedWeight | QuantizedRows:
+        return QuantizedWeight.cat_rows([p.columns(start, end) for p in self.parts])
+
+    def rows(self, index: torch.Tensor) -> QuantizedWeight | QuantizedRows:
+        """Rows `index` (a tensor-parallel share of each segment, in order): each segment's
+        own, where the index visits the segments in order; else of the merged matrix."""
+        ends = torch.tensor([p.out_features for p in self.parts]).cumsum(0)
+        segment = torch.bucketize(index, ends, right=True)  # [R] which part each row is in
+        if not bool((segment[1:] >= segment[:-1]).all()):
+            return self.merged().rows(index)
+        starts = ends - torch.tensor([p.out_features for p in self.parts])
+        picked = [
+            p.rows(index[segment == i] - starts[i])
+            for i, p in enumerate(self.parts)
+            if bool((segment == i).any())
+        ]
+        return QuantizedWeight.cat_rows(picked)
+
+
+QUANTIZED = (QuantizedWeight, QuantizedRows)  # what a quantized projection's weight may be
 
 
 @functools.cache
@@ -314,13 +383,24 @@ def _reference_tandem(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     return torch.from_numpy(acc)
 
 
+class Segment(NamedTuple):
+    """A run of a projection's output rows in the tandem kernel's layout (`_pack_tandem`)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    bits: int
+    rows: int
+
+
 class QuantizedLinear(nn.Module):
-    """y = x W^T + b over a QuantizedWeight, on the backend `choose_backend` picks (a weight
-    format of engine.models.layers.Linear; its tensors stay where they were built)."""
+    """y = x W^T + b over a QuantizedWeight (or QuantizedRows: segments side by side), on the
+    backend `choose_backend` picks (a weight format of engine.models.layers.Linear; its
+    tensors stay where they were built)."""
 
     def __init__(
         self,
-        weight: QuantizedWeight,
+        weight: QuantizedWeight | QuantizedRows,
         bias: torch.Tensor | None,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
@@ -328,27 +408,52 @@ class QuantizedLinear(nn.Module):
     ):
         super().__init__()
         self.out_features, self.in_features = weight.out_features, weight.in_features
-        self.bits = weight.bits
         self.backend = backend or choose_backend(device, weight.out_features)
         self.bias = None if bias is None else bias.to(device=device, dtype=dtype)
+        parts = weight.parts if isinstance(weight, QuantizedRows) else [weight]
+        self.segments: list[Segment] = []  # the tandem kernel's, in output order
         if self.backend == "tandem":
-            self.codes, self.scales, self.offsets = _pack_tandem(weight)
+            self.segments = [Segment(*_pack_tandem(p), p.bits, p.out_features) for p in parts]
         elif self.backend == "int4pack":
-            codes, scales, zeros = weight.affine().halves()
+            one = weight.merged() if isinstance(weight, QuantizedRows) else weight
+            codes, scales, zeros = one.affine().halves()
             self.halves = codes.shape[1] // weight.in_features
             self.packed = _pack_int4(codes)  # [N, K h / 2] the kernel's layout
             params = torch.stack([scales, zeros], dim=-1)  # [N, G h, 2]
             self.params = params.transpose(0, 1).contiguous().bfloat16()
         else:
             self.dense = weight.dequantize().to(device=device, dtype=dtype)  # [N, K]
+        self.bits = parts[0].bits if len(parts) == 1 else None  # the codes' width, if one
+
+    @property
+    def codes(self) -> torch.Tensor:  # the tiles of a single-segment weight
+        return self._single().codes
+
+    @property
+    def scales(self) -> torch.Tensor:
+        return self._single().scales
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        return self._single().offsets
+
+    def _single(self) -> Segment:
+        if len(self.segments) != 1:
+            raise ValueError(f"a {self.backend} weight of {len(self.segments)} segments, not one")
+        return self.segments[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [M, K] -> [M, N] in x's dtype
         if self.backend == "tandem":
+            xf = x.float().contiguous()
             y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-            torch.ops.tandem_cpu.linear_out(
-                x.float().contiguous(), self.codes, self.scales, self.offsets, self.bits,
-                self.bias, y,
-            )  # fmt: skip
+            start = 0
+            for s in self.segments:  # each writes its columns of y
+                end = start + s.rows
+                bias = None if self.bias is None else self.bias[start:end]
+                torch.ops.tandem_cpu.linear_out(
+                    xf, s.codes, s.scales, s.offsets, s.bits, bias, y[:, start:end]
+                )
+                start = end
             return y.to(x.dtype)
         if self.backend == "int4pack":
             xb = x.bfloat16()

@@ -39,8 +39,11 @@
 namespace tandem {
 namespace {
 
+// weights: (codes, d, m) per segment, bits and out_features per segment, parts: how many
+// segments each of qkv, o, gate_up and down has (quant_matmul.h's Projection).
 void fused_layer(at::Tensor x, const std::vector<at::Tensor>& weights, at::IntArrayRef bits,
-                 at::IntArrayRef out_features, const std::optional<at::Tensor>& qkv_bias,
+                 at::IntArrayRef out_features, at::IntArrayRef parts,
+                 const std::optional<at::Tensor>& qkv_bias,
                  const at::Tensor& norm1, const at::Tensor& norm2, double eps,
                  const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
                  at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& block_tables,
@@ -50,16 +53,20 @@ void fused_layer(at::Tensor x, const std::vector<at::Tensor>& weights, at::IntAr
                  double head_eps, int64_t rotary_dim, const std::optional<at::Tensor>& post_norm1,
                  const std::optional<at::Tensor>& post_norm2, bool gelu) {
 #if TANDEM_HAVE_KERNEL
-  TORCH_CHECK(weights.size() == 12 && bits.size() == 4 && out_features.size() == 4,
-              "tandem_cpu: weights are (codes, d, m) for qkv, o, gate_up, down");
+  TORCH_CHECK(parts.size() == 4,
+              "tandem_cpu: weights are segments of qkv, o, gate_up and down, `parts` of each");
   const Heads hd = heads_of(num_heads, num_kv_heads, cos);
   const int64_t batch = x.size(0), hidden = x.size(1);
   check_rows(x, hidden, "x");
-  std::vector<QuantizedMatrix> w;
+  std::vector<Projection> w;
+  int64_t first = 0;
   for (int i = 0; i < 4; ++i) {
-    w.push_back(matrix(weights[3 * i], weights[3 * i + 1], weights[3 * i + 2], bits[i],
-                       out_features[i], i == 0 ? qkv_bias : std::nullopt));
+    w.push_back(projection(weights, bits, out_features, first, parts[i],
+                           i == 0 ? qkv_bias : std::nullopt));
+    first += parts[i];
   }
+  TORCH_CHECK(first == static_cast<int64_t>(bits.size()),
+              "tandem_cpu: ", bits.size(), " segments for parts summing to ", first);
   const int64_t inter = w[2].rows / 2;
   TORCH_CHECK(w[0].rows == hd.cols() && w[1].rows == hidden && w[3].rows == hidden &&
                   hidden % 8 == 0 && inter % 8 == 0,
@@ -108,8 +115,8 @@ void fused_layer(at::Tensor x, const std::vector<at::Tensor>& weights, at::IntAr
 // fused_layer, so its rows get the bits of the layer-by-layer calls.
 struct LayerStack : torch::CustomClassHolder {
   struct Layer {
-    std::vector<at::Tensor> weights;  // (codes, d, m) for qkv, o, gate_up, down
-    std::vector<int64_t> bits, out_features;
+    std::vector<at::Tensor> weights;  // (codes, d, m) per segment of qkv, o, gate_up, down
+    std::vector<int64_t> bits, out_features, parts;  // per segment; segments per projection
     std::optional<at::Tensor> qkv_bias, q_norm, k_norm, post_norm1, post_norm2;
     at::Tensor norm1, norm2;
     int64_t window, rope;  // rope: which of the step's (cos, sin) tables
@@ -133,31 +140,40 @@ struct LayerStack : torch::CustomClassHolder {
   int64_t num_heads, num_kv_heads, rotary_dim;
   bool gelu;
 
-  // Per layer l: weights[12 l, 12 l + 12), bits and out_features [4 l, 4 l + 4), tensors[7 l,
-  // 7 l + 7) = norm1, norm2, qkv_bias, q_norm, k_norm, post_norm1, post_norm2 (an empty tensor
-  // where a layer has none), windows[l], ropes[l].
+  // Per layer l: parts[4 l, 4 l + 4) segments for its projections, n_l in all; its weights
+  // the next 3 n_l of `weights`, its bits and out_features the next n_l; tensors[7 l, 7 l + 7)
+  // = norm1, norm2, qkv_bias, q_norm, k_norm, post_norm1, post_norm2 (an empty tensor where a
+  // layer has none), windows[l], ropes[l].
   LayerStack(std::vector<at::Tensor> weights, std::vector<int64_t> bits,
-             std::vector<int64_t> out_features, std::vector<at::Tensor> tensors,
-             std::vector<int64_t> windows, std::vector<int64_t> ropes, double eps,
-             int64_t num_heads, int64_t num_kv_heads, double scale, double head_eps,
-             int64_t rotary_dim, bool gelu)
+             std::vector<int64_t> out_features, std::vector<int64_t> parts,
+             std::vector<at::Tensor> tensors, std::vector<int64_t> windows,
+             std::vector<int64_t> ropes, double eps, int64_t num_heads, int64_t num_kv_heads,
+             double scale, double head_eps, int64_t rotary_dim, bool gelu)
       : eps(eps), scale(scale), head_eps(head_eps), num_heads(num_heads),
         num_kv_heads(num_kv_heads), rotary_dim(rotary_dim), gelu(gelu) {
     const size_t n = windows.size();
-    TORCH_CHECK(weights.size() == 12 * n && bits.size() == 4 * n && out_features.size() == 4 * n &&
-                    tensors.size() == 7 * n && ropes.size() == n,
-                "tandem_cpu: LayerStack takes 12 weights, 4 bits, 4 sizes, 7 tensors a layer");
+    TORCH_CHECK(parts.size() == 4 * n && tensors.size() == 7 * n && ropes.size() == n &&
+                    bits.size() == out_features.size() && weights.size() == 3 * bits.size(),
+                "tandem_cpu: LayerStack takes 4 segment counts and 7 tensors a layer, 3 weights, "
+                "bits and rows a segment");
     auto some = [](const at::Tensor& t) {
       return t.numel() == 0 ? std::nullopt : std::optional<at::Tensor>(t);
     };
+    size_t seg = 0;
     for (size_t l = 0; l < n; ++l) {
       const at::Tensor* t = &tensors[7 * l];
-      layers.push_back(Layer{{weights.begin() + 12 * l, weights.begin() + 12 * l + 12},
-                             {bits.begin() + 4 * l, bits.begin() + 4 * l + 4},
-                             {out_features.begin() + 4 * l, out_features.begin() + 4 * l + 4},
-                             some(t[2]), some(t[3]), some(t[4]), some(t[5]), some(t[6]),
+      const std::vector<int64_t> counts(parts.begin() + 4 * l, parts.begin() + 4 * l + 4);
+      size_t count = 0;
+      for (int64_t c : counts) count += c;
+      TORCH_CHECK(seg + count <= bits.size(), "tandem_cpu: fewer segments than parts say");
+      layers.push_back(Layer{{weights.begin() + 3 * seg, weights.begin() + 3 * (seg + count)},
+                             {bits.begin() + seg, bits.begin() + seg + count},
+                             {out_features.begin() + seg, out_features.begin() + seg + count},
+                             counts, some(t[2]), some(t[3]), some(t[4]), some(t[5]), some(t[6]),
                              t[0], t[1], windows[l], ropes[l]});
+      seg += count;
     }
+    TORCH_CHECK(seg == bits.size(), "tandem_cpu: more segments than parts say");
   }
 
   // x [B, hidden] updated in place; cos[r], sin[r] [B, 1, D] for each kind of RoPE; k_caches,
@@ -172,9 +188,9 @@ struct LayerStack : torch::CustomClassHolder {
       const Layer& L = layers[l];
       TORCH_CHECK(L.rope >= 0 && L.rope < static_cast<int64_t>(cos.size()) && sin.size() == cos.size(),
                   "tandem_cpu: a layer's RoPE table is missing");
-      fused_layer(x, L.weights, L.bits, L.out_features, L.qkv_bias, L.norm1, L.norm2, eps,
-                  cos[L.rope], sin[L.rope], k_caches.select(0, l), v_caches.select(0, l), slots,
-                  block_tables, row_tables, seq_lens, num_heads, num_kv_heads, scale, L.window,
+      fused_layer(x, L.weights, L.bits, L.out_features, L.parts, L.qkv_bias, L.norm1, L.norm2,
+                  eps, cos[L.rope], sin[L.rope], k_caches.select(0, l), v_caches.select(0, l),
+                  slots, block_tables, row_tables, seq_lens, num_heads, num_kv_heads, scale, L.window,
                   L.q_norm, L.k_norm, head_eps, rotary_dim, L.post_norm1, L.post_norm2, gelu);
     }
   }
@@ -310,7 +326,7 @@ at::Tensor act_mul_op(const at::Tensor& gu) {
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, lib) {
   lib.def(
-      "fused_layer(Tensor(a!) x, Tensor[] weights, int[] bits, int[] out_features, "
+      "fused_layer(Tensor(a!) x, Tensor[] weights, int[] bits, int[] out_features, int[] parts, "
       "Tensor? qkv_bias, Tensor norm1, Tensor norm2, float eps, Tensor cos, Tensor sin, "
       "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, Tensor block_tables, "
       "Tensor row_tables, Tensor seq_lens, int num_heads, int num_kv_heads, float scale, "
@@ -319,7 +335,7 @@ TORCH_LIBRARY_FRAGMENT(tandem_cpu, lib) {
       &tandem::fused_layer);
   lib.class_<tandem::LayerStack>("LayerStack")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
-                       std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
+                       std::vector<int64_t>, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
                        double, int64_t, int64_t, double, double, int64_t, bool>())
       .def("forward", &tandem::LayerStack::forward)
       .def("set_ends", &tandem::LayerStack::set_ends)

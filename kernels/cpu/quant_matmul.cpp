@@ -252,18 +252,24 @@ QuantizedMatrix matrix(const at::Tensor& codes, const at::Tensor& d, const at::T
           static_cast<int>(bits), params};
 }
 
-void linear(const QuantizedMatrix& w, const float* x, int64_t num_rows, int64_t k, float* y,
-            int64_t ldy) {
+// y [num_rows, ldy] = x W^T over `count` parts side by side, the activations quantized once.
+static void linear_parts(const QuantizedMatrix* parts, size_t count, const float* x, int64_t num_rows,
+                  int64_t k, float* y, int64_t ldy) {
 #if TANDEM_HAVE_KERNEL
-  TORCH_CHECK(k <= w.kp && w.kp - k < G, "tandem_cpu: x has ", k,
-              " columns for a weight padded to ", w.kp);
-  const int64_t groups = w.kp / G;
+  const int64_t kp = parts[0].kp;
+  for (size_t i = 0; i < count; ++i) {
+    TORCH_CHECK(parts[i].kp == kp, "tandem_cpu: a projection's segments take ", kp, " and ",
+                parts[i].kp, " inputs");
+  }
+  TORCH_CHECK(k <= kp && kp - k < G, "tandem_cpu: x has ", k,
+              " columns for a weight padded to ", kp);
+  const int64_t groups = kp / G;
   // Activation codes: one buffer per calling thread, grown as needed (decode reuses it).
   // (thread_local: the worker threads below must use these pointers, not their own buffers)
   thread_local std::vector<int8_t> codes;
   thread_local std::vector<float> scales;
   thread_local std::vector<int32_t> sums;
-  codes.resize(num_rows * w.kp);
+  codes.resize(num_rows * kp);
   scales.resize(2 * num_rows * groups);
   sums.resize(2 * num_rows * groups);
   int8_t* p = codes.data();
@@ -274,22 +280,60 @@ void linear(const QuantizedMatrix& w, const float* x, int64_t num_rows, int64_t 
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t g = 0; g < groups; ++g) {
         const int n = static_cast<int>(std::clamp<int64_t>(k - g * G, 0, G));
-        quantize_group(x + r * k + g * G, n, p + r * w.kp + g * G, dx + r * groups + g,
+        quantize_group(x + r * k + g * G, n, p + r * kp + g * G, dx + r * groups + g,
                        sx + r * groups + g, halves + (r * groups + g) * 2);
       }
     }
   });
-  const Activations a{p, dx, sx, halves, w.kp};
-  switch (w.params) {
-    case Params::kFloat: matmul_bits<float>(w, a, num_rows, y, ldy); break;
-    case Params::kHalf: matmul_bits<uint16_t>(w, a, num_rows, y, ldy); break;
-    case Params::kCentered: matmul_bits<Centered>(w, a, num_rows, y, ldy); break;
-    case Params::kSuper: matmul_bits<Super>(w, a, num_rows, y, ldy); break;
-    case Params::kQ6: matmul<6, Q6>(w, a, num_rows, y, ldy); break;
+  const Activations a{p, dx, sx, halves, kp};
+  for (size_t i = 0; i < count; ++i) {
+    const QuantizedMatrix& w = parts[i];
+    switch (w.params) {
+      case Params::kFloat: matmul_bits<float>(w, a, num_rows, y, ldy); break;
+      case Params::kHalf: matmul_bits<uint16_t>(w, a, num_rows, y, ldy); break;
+      case Params::kCentered: matmul_bits<Centered>(w, a, num_rows, y, ldy); break;
+      case Params::kSuper: matmul_bits<Super>(w, a, num_rows, y, ldy); break;
+      case Params::kQ6: matmul<6, Q6>(w, a, num_rows, y, ldy); break;
+    }
+    y += w.rows;
   }
 #else
   TORCH_CHECK(false, "tandem_cpu: built without AVX2 and FMA");
 #endif
+}
+
+void linear(const QuantizedMatrix& w, const float* x, int64_t num_rows, int64_t k, float* y,
+            int64_t ldy) {
+  linear_parts(&w, 1, x, num_rows, k, y, ldy);
+}
+
+void linear(const Projection& w, const float* x, int64_t num_rows, int64_t k, float* y,
+            int64_t ldy) {
+  linear_parts(w.parts.data(), w.parts.size(), x, num_rows, k, y, ldy);
+}
+
+Projection projection(const std::vector<at::Tensor>& weights, at::IntArrayRef bits,
+                      at::IntArrayRef rows, int64_t first, int64_t count,
+                      const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(count > 0 && first + count <= static_cast<int64_t>(bits.size()) &&
+                  bits.size() == rows.size() &&
+                  3 * static_cast<int64_t>(bits.size()) == static_cast<int64_t>(weights.size()),
+              "tandem_cpu: segments are (codes, d, m) with their bits and rows each");
+  Projection w;
+  for (int64_t i = first; i < first + count; ++i) {
+    std::optional<at::Tensor> part_bias;
+    if (bias.has_value()) {
+      TORCH_CHECK(bias->dim() == 1 && bias->size(0) >= w.rows + rows[i],
+                  "tandem_cpu: the bias is shorter than the projection's rows");
+      part_bias = bias->narrow(0, w.rows, rows[i]);
+    }
+    w.parts.push_back(matrix(weights[3 * i], weights[3 * i + 1], weights[3 * i + 2], bits[i],
+                             rows[i], part_bias));
+    w.rows += rows[i];
+  }
+  TORCH_CHECK(!bias.has_value() || bias->size(0) == w.rows,
+              "tandem_cpu: bias must be [N], N the projection's rows");
+  return w;
 }
 
 namespace {

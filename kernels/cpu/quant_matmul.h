@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 namespace tandem {
 
@@ -36,6 +37,23 @@ QuantizedMatrix matrix(const at::Tensor& codes, const at::Tensor& d, const at::T
 
 // y [num_rows, ldy] = x [num_rows, k] W^T (+ bias); x's rows quantized per 32 to int8.
 void linear(const QuantizedMatrix& w, const float* x, int64_t num_rows, int64_t k, float* y,
+            int64_t ldy);
+
+// A projection whose output rows come in segments of their own formats (a fused q/k/v with
+// a v of another GGUF type): segment i's outputs are y's columns after segment i - 1's.
+struct Projection {
+  std::vector<QuantizedMatrix> parts;
+  int64_t rows = 0;  // all segments'
+};
+
+// Segments [first, first + count) of weights (codes, d, m each), bits and rows; the bias
+// [projection rows] split among them.
+Projection projection(const std::vector<at::Tensor>& weights, at::IntArrayRef bits,
+                      at::IntArrayRef rows, int64_t first, int64_t count,
+                      const std::optional<at::Tensor>& bias);
+
+// As linear above over every segment, x quantized once.
+void linear(const Projection& w, const float* x, int64_t num_rows, int64_t k, float* y,
             int64_t ldy);
 
 }  // namespace tandem

@@ -43,13 +43,19 @@ def test_quantize_rejects_widths_off_the_group():
 
 
 @pytest.mark.parametrize("widths", [(4, 8), (4, 5), (5, 8)])
-def test_mixed_widths_stack_by_widening(widths):
+def test_mixed_widths_stack_as_segments_of_their_own_widths(widths):
+    """Rows of two widths stay two segments (no widened codes); the one-matrix form torch's
+    int4 kernel takes widens the narrower, exactly. Rows of one width stack into one."""
     g = torch.Generator().manual_seed(0)
     a = QuantizedWeight.quantize(torch.randn(16, 64, generator=g), widths[0])
     b = QuantizedWeight.quantize(torch.randn(32, 64, generator=g), widths[1])
-    fused = QuantizedWeight.cat_rows([a, b])
-    assert fused.bits == widths[1]
-    torch.testing.assert_close(fused.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    c = QuantizedWeight.quantize(torch.randn(16, 64, generator=g), widths[0])
+    fused = QuantizedWeight.cat_rows([a, c, b])
+    assert [(p.bits, p.out_features) for p in fused.parts] == [(widths[0], 32), (widths[1], 32)]
+    want = torch.cat([a.dequantize(), c.dequantize(), b.dequantize()])
+    assert torch.equal(fused.dequantize(), want)
+    assert fused.merged().bits == widths[1] and torch.equal(fused.merged().dequantize(), want)
+    assert QuantizedWeight.cat_rows([a, c]).bits == widths[0]
 
 
 CPU_BACKENDS = [
@@ -91,6 +97,37 @@ def test_quantized_linear_equals_its_reference(backend, bits, num_rows, shape):
     if backend != "dense":
         exact = x @ weight.dequantize().t() + bias
         assert (got - exact).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("num_rows", [1, 5, 40])
+def test_a_projection_of_segments_equals_each_segments_reference(backend, num_rows):
+    """A fused q/k/v as a Q4_K_M file has it (q, k in Q4_K; v in Q6_K) with a bias: the
+    tandem kernel holds each segment at its own width (4-bit codes and K-quant scales, 6-bit
+    codes) and gives each segment's reference bits in its columns, the bias split among them;
+    torch's int4 kernel runs the merged matrix."""
+    q, k = (decode(random_blocks(T.Q4_K, n, 512, seed=n), T.Q4_K, 512) for n in (64, 16))
+    v = decode(random_blocks(T.Q6_K, 16, 512, seed=7), T.Q6_K, 512)
+    weight = QuantizedWeight.cat_rows([q, k, v])
+    g = torch.Generator().manual_seed(num_rows)
+    bias = torch.randn(96, generator=g)
+    x = torch.randn(num_rows, 512, generator=g)
+    layer = QuantizedLinear(weight, bias, backend=backend)
+    got = layer(x)
+    if backend != "tandem":  # int4pack: one matrix; dense: the exact values
+        one = weight.merged() if backend == "int4pack" else weight
+        want = reference_matmul(x, one, backend) + bias
+        torch.testing.assert_close(got, want, **TOLERANCE[backend])
+        return
+    assert [(s.bits, s.rows, s.codes.shape[-1]) for s in layer.segments] == [
+        (4, 80, 256),
+        (6, 16, 384),
+    ]
+    qk = QuantizedWeight.cat_rows([q, k])
+    want = torch.cat([reference_matmul(x, qk, "tandem"), reference_matmul(x, v, "tandem")], 1)
+    assert torch.equal(got, want + bias)
+    # not what the merged matrix gives (v requantized to 8 bits there)
+    assert not torch.equal(got, reference_matmul(x, weight.merged(), "tandem") + bias)
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS[:2])
@@ -318,7 +355,8 @@ def break_zero_points(model) -> None:
         if not isinstance(layer, QuantizedLinear):
             continue
         if layer.backend == "tandem":
-            layer.offsets += layer.scales
+            for segment in layer.segments:
+                segment.offsets.add_(segment.scales)
         else:
             layer.params[..., 1] += layer.params[..., 0]  # [G, N, 2]: scale, zero
 

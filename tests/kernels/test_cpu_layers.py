@@ -207,15 +207,17 @@ def test_attend_refuses_a_context_beyond_its_table():
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "bfloat16"])
 # a QKV bias; per-head norms; Gemma 3's (post norms, GELU-tanh, a window of 8, heads of 32)
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma3"])
-@pytest.mark.parametrize("bits", [4, 5, 6])  # 5, 6: a 4-bit plane and one per higher bit
+# 5, 6: a 4-bit plane and one per higher bit; "segments": projections of mixed widths (q, k
+# at 4 bits beside v at 8, gate at 4 beside up at 6), as Q4_K_M files mix their types
+@pytest.mark.parametrize("bits", [4, 5, 6, "segments"])
 def test_fused_layer_equals_its_pieces_composed(tmp_path, arch, kv_cache_dtype, bits):
     """A layer's one C++ call and its pieces composed from Python (as steps with adapters or
     tensor-parallel sums run them): the same hidden states and caches, bit for bit, with a
     float32 cache, an int8 one or a bfloat16 one."""
+    from quant_blocks import requantize_layer
+
     from engine import LLM
     from engine.attention import row_metadata, slot_ids
-    from engine.models.layers import projections
-    from engine.models.quantized import QuantizedLinear, QuantizedWeight
     from models import make_tiny_model
 
     gemma3 = dict(head_dim=32, sliding_window=8, query_pre_attn_scalar=24)
@@ -231,15 +233,11 @@ def test_fused_layer_equals_its_pieces_composed(tmp_path, arch, kv_cache_dtype, 
     assert model.fused_layers
     layer = model.layers[0]
     assert layer.fused[0] == torch.ops.tandem_cpu.fused_layer
-    if bits > 4:  # each projection requantized from its int4 values to wider codes
-        for linear in projections(layer.self_attn, layer.mlp):
-            f = linear.format
-            rows = torch.arange(f.out_features)
-            w = torch.ops.tandem_cpu.dequantize_rows(
-                f.codes, f.scales, f.offsets, f.bits, f.out_features, f.in_features, rows
-            )
-            linear.format = QuantizedLinear(QuantizedWeight.quantize(w, bits), f.bias)
-        assert layer.fuse() and layer.fused[1][1] == [bits] * 4
+    if bits != 4:  # requantized from its int4 values to wider codes, or mixed widths
+        requantize_layer(layer, bits)
+        mixed = {"segments": ([4, 8, 4, 4, 6, 4], [2, 1, 2, 1])}
+        widths, parts = mixed.get(bits, ([bits] * 4, [1] * 4))
+        assert layer.fused[1][1] == widths and layer.fused[1][3] == parts
     seq_lens, query_lens, tables = [9, 1, 14], [9, 1, 6], [[1, 2, 3], [4], [5, 6, 7, 8]]
     slots = [
         s

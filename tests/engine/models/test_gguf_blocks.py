@@ -16,6 +16,7 @@ from engine.models.quantized import (
     GROUP,
     QuantizedEmbedding,
     QuantizedLinear,
+    QuantizedRows,
     QuantizedWeight,
     reference_matmul,
     tandem_kernel_available,
@@ -60,15 +61,23 @@ def test_super_blocks_survive_stacking_slicing_and_row_order_only_where_whole():
     """K-quant scales stay in the file's form through the loader's fusions, tensor-parallel
     slices and row permutations, and fall back to float32 tables where they cannot."""
     k4 = decode(random_blocks(T.Q4_K, 16, 512, seed=1), T.Q4_K, 512)
-    k5 = decode(random_blocks(T.Q5_K, 32, 512, seed=2), T.Q5_K, 512)
+    k4b = decode(random_blocks(T.Q4_K, 32, 512, seed=2), T.Q4_K, 512)
     q8 = decode(random_blocks(T.Q8_0, 16, 512, seed=3), T.Q8_0, 512)
-    dense = [w.dequantize() for w in (k4, k5, q8)]
-    fused = QuantizedWeight.cat_rows([k4, k5])
-    assert fused.bits == 5 and fused.blocks is not None
+    dense = [w.dequantize() for w in (k4, k4b, q8)]
+    fused = QuantizedWeight.cat_rows([k4, k4b])
+    assert fused.bits == 4 and fused.blocks is not None
     assert torch.equal(fused.dequantize(), torch.cat(dense[:2]))
-    mixed = QuantizedWeight.cat_rows([k4, q8])
-    assert mixed.bits == 8 and mixed.blocks is None
+    k5 = decode(random_blocks(T.Q5_K, 32, 512, seed=2), T.Q5_K, 512)
+    wider = QuantizedWeight.cat_rows([k4, k5]).merged()  # one matrix: 5-bit, blocks kept
+    assert wider.bits == 5 and wider.blocks is not None
+    assert torch.equal(wider.dequantize(), torch.cat([dense[0], k5.dequantize()]))
+    mixed = QuantizedWeight.cat_rows([k4, q8])  # segments, each in its own form
+    assert isinstance(mixed, QuantizedRows) and [p.bits for p in mixed.parts] == [4, 8]
+    assert mixed.parts[0].blocks is not None
     assert torch.equal(mixed.dequantize(), torch.cat([dense[0], dense[2]]))
+    merged = mixed.merged()  # one matrix (torch's int4 kernel's form): widened, exact
+    assert merged.bits == 8 and merged.blocks is None
+    assert torch.equal(merged.dequantize(), torch.cat([dense[0], dense[2]]))
     half = fused.columns(256, 512)
     assert half.blocks is not None and half.blocks.d.shape == (48, 1)
     assert torch.equal(half.dequantize(), torch.cat(dense[:2])[:, 256:])
@@ -89,9 +98,15 @@ def test_super_blocks_survive_stacking_slicing_and_row_order_only_where_whole():
     want = q6.dequantize()[:, :128].reshape(16, -1, GROUP)
     step = (want.amax(-1) - want.amin(-1))[..., None] / 255  # half a step, as requantizing
     assert ((split.dequantize().reshape(16, -1, GROUP) - want).abs() <= step / 2 * 1.001).all()
-    qkv = QuantizedWeight.cat_rows([k4, q6])
-    assert qkv.group == GROUP and qkv.bits == 8 and qkv.blocks is None
-    assert torch.equal(qkv.dequantize()[:16], dense[0])
+    qkv = QuantizedWeight.cat_rows([k4, k4, q6])  # q, k in Q4_K, v in Q6_K: as the file has
+    assert [(p.bits, p.group, p.out_features) for p in qkv.parts] == [(4, 32, 32), (6, 16, 16)]
+    assert torch.equal(qkv.dequantize(), torch.cat([dense[0], dense[0], q6.dequantize()]))
+    assert qkv.merged().bits == 8 and qkv.merged().group == GROUP  # Q6_K requantized there
+    # a tensor-parallel share of each segment keeps the segments' forms
+    share = qkv.rows(torch.tensor([0, 1, 16, 17, 32, 33]))
+    assert [(p.bits, p.group, p.out_features) for p in share.parts] == [(4, 32, 4), (6, 16, 2)]
+    assert torch.equal(share.dequantize(), qkv.dequantize()[[0, 1, 16, 17, 32, 33]])
+    assert torch.equal(qkv.columns(256, 512).dequantize(), qkv.dequantize()[:, 256:])
 
 
 FILE_FORMATS = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]

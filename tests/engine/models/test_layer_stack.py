@@ -45,13 +45,22 @@ def tensors(caches) -> list[torch.Tensor]:
     return [caches.k, caches.v] if hasattr(caches, "k") else [caches]
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "bfloat16"])
+@pytest.mark.parametrize(
+    "kv_cache_dtype,widths",
+    [("auto", 4), ("int8", 4), ("bfloat16", 4), ("auto", "segments")],  # segments: mixed widths
+)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
-def test_the_stack_equals_the_layers_one_by_one(tmp_path, arch, kv_cache_dtype):
+def test_the_stack_equals_the_layers_one_by_one(tmp_path, arch, kv_cache_dtype, widths):
+    from quant_blocks import requantize_layer
+
     from engine.attention import row_metadata, slot_ids
 
     llm = tiny_llm(tmp_path, arch, kv_cache_dtype)
     model = llm.engine.runner.model
+    if widths == "segments":  # projections of segments in every layer (quant_blocks)
+        for layer in model.layers:
+            requantize_layer(layer, widths)
+        assert model.fuse() and model.layers[-1].fused[1][3] == [2, 1, 2, 1]
     stack = model.stack
     assert stack is not None and stack.num_layers == len(model.layers)
     if arch == "gemma3":  # both kinds of RoPE in play
