@@ -28,7 +28,7 @@ from dataclasses import replace
 
 import torch
 
-from engine.attention import RowAttention, padded_tables, slot_ids
+from engine.attention import slot_ids
 from engine.backends import TORCH, Backend
 from engine.cuda_graphs import GraphRunner
 from engine.device import host_tensor, to_device
@@ -140,6 +140,7 @@ class ModelRunner:
             capture=self.device.type == "cuda",
         )
 
+    @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
             return
@@ -210,13 +211,13 @@ class ModelRunner:
             token_slots += [slot_of[id(lora)] if lora else 0] * len(item.token_ids)
         return token_slots
 
-    @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, tables: dict[Request, list[int]]) -> LaunchedStep:
         """The target's step, scheduled tokens plus each request's drafts, then verification,
         queued without waiting for the device: its results are copied to the host when they
         are ready, and LaunchedStep.wait() collects them. Its sampled tokens stay on the
         device too (`sampled`) when kept, for the next step's inputs."""
-        self.copy_blocks(sched.block_copies)
+        if sched.block_copies:
+            self.copy_blocks(sched.block_copies)
         items, verify_rows, row = [], [], 0
         for request, n, k in sched.scheduled():
             start = request.num_computed_tokens
@@ -235,12 +236,18 @@ class ModelRunner:
                 q = sched.draft_probs.get(request)
                 verify_rows.append((request, row - 1 - len(drafts), drafts, q))
         if len(verify_rows) == len(items) and all(self._decodes(item) for item in items):
+            # one C++ call, no torch ops around it (inference mode costs ~30 us to enter
+            # and leave with the caches cold)
             steps = 1 + min(sched.num_drafts) if sched.lookahead else 1
             return LaunchedStep(self._decode(items, tables, steps), self.device)
+        return LaunchedStep(self._forward_and_sample(items, verify_rows, tables), self.device)
+
+    @torch.inference_mode()
+    def _forward_and_sample(self, items, verify_rows, tables) -> PendingStep:
         hidden = self.forward(items, tables)
         pending = self._sample(hidden, verify_rows)
         self._prompt_logprobs(hidden, items, pending)
-        return LaunchedStep(pending, self.device)
+        return pending
 
     def decodes(self, request: Request) -> bool:
         """Whether the request's next tokens can come from LayerStack.decode (embedding to
@@ -264,22 +271,19 @@ class ModelRunner:
 
     def _decode(self, items: list[ForwardItem], tables, steps: int) -> PendingStep:
         """One token per request, then steps - 1 more (lookahead slots), in one call: the
-        members' tokens [B, steps]. Each row is its request's (row_tables 0 .. B - 1) and sees
-        its context up to itself at the first step (the stack adds a position a step)."""
-        bs, num_rows = self.block_size, len(items)
+        members' tokens [B, steps]. Each row sees its own request's blocks up to itself."""
+        bs = self.block_size
         starts = [item.start for item in items]
         own = [tables[item.request] for item in items]
         slots = [s for table, start in zip(own, starts, strict=True)
                  for s in slot_ids(table, start, steps, bs)]  # fmt: skip
-        pos = host_tensor(starts)  # [B]
-        meta = RowAttention(
-            padded_tables(own, [start + steps for start in starts], bs, torch.long),
-            torch.arange(num_rows),
-            pos + 1,
-            host_tensor(slots).view(num_rows, steps),
-        )
-        ids = host_tensor([item.token_ids[0] for item in items])
-        tokens, is_nan = self.model.stack.decode(ids, pos, self.kv_caches, meta)
+        needs = [-(-(start + steps) // bs) for start in starts]  # blocks each row reads
+        width, flat = max(needs), []
+        for table, need in zip(own, needs, strict=True):
+            flat += table[:need]
+            flat += [0] * (width - need)  # the null block
+        ids = [item.token_ids[0] for item in items]
+        tokens, is_nan = self.model.stack.decode(ids, starts, self.kv_caches, slots, flat)
         self.sampled = None
         pending = PendingStep(DeviceResults(decoded=tokens, is_nan=is_nan))
         pending.members = [item.request for item in items]

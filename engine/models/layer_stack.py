@@ -102,19 +102,18 @@ class LayerStack:
 
     def decode(
         self,
-        ids: torch.Tensor,  # [B] each row's last token
-        positions: torch.Tensor,  # [B] its position
+        ids: list[int],  # [B] each row's last token
+        positions: list[int],  # [B] its position
         kv_caches,
-        meta: RowAttention,  # one row per request; slot_mapping [B, S]: the S steps' slots
+        slots: list[int],  # [B * S] row b's step s at b S + s
+        tables: list[int],  # [B * W] row b's blocks, padded with the null block
     ) -> tuple[torch.Tensor, torch.Tensor]:  # tokens, is_nan [B, S]
         """S greedy steps of B single rows in one C++ call, embedding to argmax (each step
         feeds its picks to the next): the bits of S steps through forward, the final norm, the
-        LM head and argmax_rows."""
+        LM head and argmax_rows. Plain lists in: the C++ side views them (a tensor built here
+        costs ~50 us a step with the caches cold after the weights' pass)."""
         k, v = self._caches(kv_caches)
-        return self.op.decode(
-            ids, positions, k, v, meta.slot_mapping, meta.block_tables, meta.row_tables,
-            meta.seq_lens,
-        )  # fmt: skip
+        return self.op.decode(ids, positions, k, v, slots, tables)
 
     def runs(self, meta, lora) -> bool:
         """Whether this step's rows take the stack (the layers' one_call, for all of them)."""

@@ -21,8 +21,10 @@
 // codes with a scale per 32 values); every piece that touches the cache takes either.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/from_blob.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -208,16 +210,42 @@ struct LayerStack : torch::CustomClassHolder {
                 embed_scale, norm, norm_eps, inv_freq, rope_scaling, rope_dim};
   }
 
+  // Greedy decode of B requests' single rows for S steps, from what the runner holds as
+  // lists: ids, positions [B] (each row's last token and its position), slots [B * S] (row b's
+  // step s at b S + s), tables [B * W] (row b's blocks, padded with the null block). Row b
+  // attends its own table up to its position + s at step s. The lists are viewed, not copied
+  // (a tensor built from Python costs tens of microseconds a step, most of a token's host time
+  // at batch 1 after a pass over the weights has left the caches cold).
+  std::tuple<at::Tensor, at::Tensor> decode(std::vector<int64_t> ids,
+                                            std::vector<int64_t> positions,
+                                            at::Tensor k_caches, at::Tensor v_caches,
+                                            std::vector<int64_t> slots,
+                                            std::vector<int64_t> tables) {
+    const int64_t batch = static_cast<int64_t>(ids.size());
+    TORCH_CHECK(batch > 0 && static_cast<int64_t>(positions.size()) == batch &&
+                    slots.size() % batch == 0 && !slots.empty() && tables.size() % batch == 0 &&
+                    !tables.empty(),
+                "tandem_cpu: decode takes ids, positions [B], slots [B * S], tables [B * W]");
+    const int64_t steps = slots.size() / batch, width = tables.size() / batch;
+    const auto longs = at::TensorOptions().dtype(at::kLong);
+    auto view = [&](std::vector<int64_t>& v, at::IntArrayRef shape) {
+      return at::from_blob(v.data(), shape, longs);  // lives for this call
+    };
+    at::Tensor pos = view(positions, {batch});
+    return decode_rows(view(ids, {batch}), pos, k_caches, v_caches, view(slots, {batch, steps}),
+                       view(tables, {batch, width}), at::arange(batch, longs), pos.add(1));
+  }
+
   // Greedy decode of B rows for S steps in one call: step s embeds ids (the given ones, then
   // each row's pick of step s - 1), runs the layers at positions + s, slots[:, s] and
   // context seq_lens + s, the final norm, the LM head and each row's first maximal logit over
   // the vocabulary: the ops a step of single rows runs from Python (embedding, rope_rows,
   // forward, rms_norm, linear_out, argmax_rows), in order, so the same bits. A row whose
   // logits hold a NaN is flagged (its later steps mean nothing). Returns tokens, is_nan [B, S].
-  std::tuple<at::Tensor, at::Tensor> decode(at::Tensor ids, at::Tensor positions,
-                                            at::Tensor k_caches, at::Tensor v_caches,
-                                            at::Tensor slots, at::Tensor block_tables,
-                                            at::Tensor row_tables, at::Tensor seq_lens) {
+  std::tuple<at::Tensor, at::Tensor> decode_rows(at::Tensor ids, at::Tensor positions,
+                                                 at::Tensor k_caches, at::Tensor v_caches,
+                                                 at::Tensor slots, at::Tensor block_tables,
+                                                 at::Tensor row_tables, at::Tensor seq_lens) {
 #if TANDEM_HAVE_KERNEL
     TORCH_CHECK(ends.has_value(), "tandem_cpu: the stack has no ends to decode with");
     const Ends& E = *ends;

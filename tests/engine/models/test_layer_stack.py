@@ -146,10 +146,11 @@ def test_decode_equals_steps_through_the_model_and_its_head(tmp_path, arch, kv_c
     by_decode, by_steps = cloned(caches), cloned(caches)
     ones = [1, 1, 1]
     with torch.inference_mode():
-        last = [s + steps for s in starts]  # the context the last step sees
-        meta = row_metadata(last, ones, tables, slots, 4)
-        meta.seq_lens = positions + 1  # the first step's; decode adds s at step s
-        tokens, is_nan = stack.decode(ids, positions, by_decode, meta)
+        width = max(map(len, tables))  # each row's blocks, padded with the null block
+        flat = [b for t in tables for b in t + [0] * (width - len(t))]
+        tokens, is_nan = stack.decode(
+            ids.tolist(), starts, by_decode, slots.flatten().tolist(), flat
+        )
         expected, step_ids = [], ids
         for s in range(steps):
             lens = [p + s + 1 for p in starts]
