@@ -267,11 +267,12 @@ class QuantizedRows:
     def rows(self, index: torch.Tensor) -> QuantizedWeight | QuantizedRows:
         """Rows `index` (a tensor-parallel share of each segment, in order): each segment's
         own, where the index visits the segments in order; else of the merged matrix."""
-        ends = torch.tensor([p.out_features for p in self.parts]).cumsum(0)
+        sizes = torch.tensor([p.out_features for p in self.parts])
+        ends = sizes.cumsum(0)
         segment = torch.bucketize(index, ends, right=True)  # [R] which part each row is in
         if not bool((segment[1:] >= segment[:-1]).all()):
             return self.merged().rows(index)
-        starts = ends - torch.tensor([p.out_features for p in self.parts])
+        starts = ends - sizes
         picked = [
             p.rows(index[segment == i] - starts[i])
             for i, p in enumerate(self.parts)

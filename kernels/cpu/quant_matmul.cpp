@@ -253,8 +253,8 @@ QuantizedMatrix matrix(const at::Tensor& codes, const at::Tensor& d, const at::T
 }
 
 // y [num_rows, ldy] = x W^T over `count` parts side by side, the activations quantized once.
-static void linear_parts(const QuantizedMatrix* parts, size_t count, const float* x, int64_t num_rows,
-                  int64_t k, float* y, int64_t ldy) {
+static void linear_parts(const QuantizedMatrix* parts, size_t count, const float* x,
+                         int64_t num_rows, int64_t k, float* y, int64_t ldy) {
 #if TANDEM_HAVE_KERNEL
   const int64_t kp = parts[0].kp;
   for (size_t i = 0; i < count; ++i) {
