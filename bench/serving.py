@@ -29,7 +29,10 @@ with exactly its prompt and output token counts in the server's own `usage` (exi
 Per server and concurrency: output tokens/s (usage tokens over the wall time of the loop),
 TTFT p50 / p95 (send to the first chunk with text), inter-token p50 / p95 / p99 (gaps between
 a request's consecutive chunks with text, as vLLM's benchmark counts them; the table's
-tok/chunk column says whether a server sends more than one token per chunk), and ratios of
+tok/chunk column says whether a server sends more than one token per chunk), time per output
+token p50 / p95 (TPOT: a request's time from its first chunk to its last over its tokens after
+the first, as vLLM's benchmark reports it; the per-token figure where a chunk carries several
+tokens, as speculation's do), and ratios of
 each peer's counterpart against it: tandem / llama-server, tandem-fp32 / vllm-fp32,
 tandem / vllm-bf16 and tandem-bf16 / vllm-bf16. Servers are modes alternated over --repeats
 rounds (bench/harness.py; each round starts the server, warms it up with two short requests,
@@ -65,7 +68,7 @@ PAIRS = [
     ("tandem-bf16", "vllm-bf16"),
 ]
 READ_TIMEOUT = 600.0  # seconds a server may stay silent before its request counts as failed
-FIGURES = ["tok_s", "ttft_p50", "ttft_p95", "itl_p50", "itl_p95", "itl_p99"]
+FIGURES = ["tok_s", "ttft_p50", "ttft_p95", "itl_p50", "itl_p95", "itl_p99", "tpot_p50", "tpot_p95"]
 
 
 @dataclass
@@ -144,6 +147,13 @@ def figures(seconds: float, samples: list[Sample]) -> dict[str, float]:
     """The loop's figures, latencies in seconds."""
     ttft = [s.stamps[0] - s.sent for s in samples if s.stamps]
     gaps = [b - a for s in samples for a, b in zip(s.stamps, s.stamps[1:], strict=False)]
+    # Time per output token after the first, per request (vLLM's TPOT): a chunk of several
+    # tokens (speculation) counts as that many tokens, where an inter-token gap counts once.
+    tpot = [
+        (s.stamps[-1] - s.stamps[0]) / (s.usage["completion_tokens"] - 1)
+        for s in samples
+        if s.usage and s.usage["completion_tokens"] > 1 and s.stamps
+    ]
     tokens = sum(s.usage["completion_tokens"] for s in samples if s.usage)
     chunks = sum(len(s.stamps) for s in samples)
     return {
@@ -153,6 +163,8 @@ def figures(seconds: float, samples: list[Sample]) -> dict[str, float]:
         "itl_p50": statistics.median(gaps) if gaps else float("nan"),
         "itl_p95": percentile(gaps, 0.95),
         "itl_p99": percentile(gaps, 0.99),
+        "tpot_p50": statistics.median(tpot) if tpot else float("nan"),
+        "tpot_p95": percentile(tpot, 0.95),
         "per_token": seconds / max(1, tokens),  # the suite's figure: 1 / tok_s
         "tok_per_chunk": tokens / max(1, chunks),
         "seconds": seconds,
@@ -211,7 +223,7 @@ def make_plans(concurrency: list[int], scale: float, seed: int) -> dict[int, lis
 
 HEADER = (
     f"{'server':13s} {'tok/s':>7s} {'TTFT p50':>9s} {'p95 ms':>7s} {'ITL p50':>8s} {'p95':>6s} "
-    f"{'p99 ms':>7s} {'tok/chunk':>9s} {'load':>5s}"
+    f"{'p99 ms':>7s} {'TPOT p50':>9s} {'p95 ms':>7s} {'tok/chunk':>9s} {'load':>5s}"
 )
 
 
@@ -224,6 +236,7 @@ def server_rows(c: int, timings: dict[str, Timings]) -> dict[str, float]:
         ms = {k: m[k] * 1e3 for k in FIGURES[1:]}
         print(f"{name:13s} {m['tok_s']:7.1f} {ms['ttft_p50']:9.0f} {ms['ttft_p95']:7.0f} "
               f"{ms['itl_p50']:8.1f} {ms['itl_p95']:6.0f} {ms['itl_p99']:7.0f} "
+              f"{ms['tpot_p50']:9.1f} {ms['tpot_p95']:7.1f} "
               f"{m['tok_per_chunk']:9.2f} {m['load']:5.2f}")  # fmt: skip
         key = name.replace("-", "_")
         result[f"{key}_c{c}_tok_s"] = m["tok_s"]

@@ -111,7 +111,7 @@ def add_server_args(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument(
         "--max-step-ms",
         type=float,
-        default=300.0,
+        default=100.0,
         help="while requests decode, limit a step's prompt tokens to stay within this time "
         "(ms; 0: no limit, a prompt chunk of --max-num-batched-tokens shares any step)",
     )

@@ -445,16 +445,12 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [M, K] -> [M, N] in x's dtype
         if self.backend == "tandem":
-            xf = x.float().contiguous()
             y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-            start = 0
-            for s in self.segments:  # each writes its columns of y
-                end = start + s.rows
-                bias = None if self.bias is None else self.bias[start:end]
-                torch.ops.tandem_cpu.linear_out(
-                    xf, s.codes, s.scales, s.offsets, s.bits, bias, y[:, start:end]
-                )
-                start = end
+            weights = [t for s in self.segments for t in s[:3]]  # codes, scales, offsets each
+            bits, rows = [s.bits for s in self.segments], [s.rows for s in self.segments]
+            torch.ops.tandem_cpu.linear_out(
+                x.float().contiguous(), weights, bits, rows, self.bias, y
+            )
             return y.to(x.dtype)
         if self.backend == "int4pack":
             xb = x.bfloat16()

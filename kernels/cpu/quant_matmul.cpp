@@ -338,15 +338,15 @@ Projection projection(const std::vector<at::Tensor>& weights, at::IntArrayRef bi
 
 namespace {
 
-// y = x W^T (+ bias): x [M, K] float32, y [M, N] float32 (a column slice of a wider output
-// is fine: rows at y.stride(0)).
-void linear_out(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
-                const at::Tensor& m, int64_t bits, const std::optional<at::Tensor>& bias,
-                at::Tensor y) {
+// y = x W^T (+ bias): x [M, K] float32, W the projection's segments side by side (weights:
+// codes, d, m per segment, with their bits and rows), y [M, N] float32 (a column slice of a
+// wider output is fine: rows at y.stride(0)). The activations are quantized once for all.
+void linear_out(const at::Tensor& x, const std::vector<at::Tensor>& weights, at::IntArrayRef bits,
+                at::IntArrayRef rows, const std::optional<at::Tensor>& bias, at::Tensor y) {
+  const Projection w = projection(weights, bits, rows, 0, bits.size(), bias);
   TORCH_CHECK(y.scalar_type() == at::kFloat && y.dim() == 2 && y.size(0) == x.size(0) &&
-                  y.stride(1) == 1,
+                  y.size(1) == w.rows && y.stride(1) == 1,
               "tandem_cpu: y must be float32 [M, N] with unit column stride");
-  const QuantizedMatrix w = matrix(codes, d, m, bits, y.size(1), bias);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "tandem_cpu: x must be contiguous float32 [M, K]");
   linear(w, x.data_ptr<float>(), x.size(0), x.size(1), y.data_ptr<float>(), y.stride(0));
@@ -426,7 +426,7 @@ TORCH_LIBRARY_FRAGMENT(tandem_cpu, lib) {
       "Tensor index) -> Tensor",
       &tandem::dequantize_rows);
   lib.def(
-      "linear_out(Tensor x, Tensor codes, Tensor d, Tensor m, int bits, Tensor? bias, "
+      "linear_out(Tensor x, Tensor[] weights, int[] bits, int[] rows, Tensor? bias, "
       "Tensor(a!) y) -> ()",
       &tandem::linear_out);
 }

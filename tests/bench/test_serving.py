@@ -85,7 +85,8 @@ def test_a_request_short_of_its_tokens_or_its_prompt_is_caught():
 
 
 def test_figures_from_arrival_times():
-    """TTFT from the send to the first chunk; inter-token gaps within a request only."""
+    """TTFT from the send to the first chunk; inter-token gaps within a request only; time per
+    output token over each request's tokens after its first."""
     samples = [
         Sample(0.0, [1.0, 1.5, 2.5], {"completion_tokens": 3}),
         Sample(1.0, [4.0, 4.25], {"completion_tokens": 2}),
@@ -94,6 +95,7 @@ def test_figures_from_arrival_times():
     assert got["tok_s"] == 1.0 and got["per_token"] == 1.0
     assert (got["ttft_p50"], got["ttft_p95"]) == (2.0, 3.0)
     assert (got["itl_p50"], got["itl_p95"], got["itl_p99"]) == (0.5, 1.0, 1.0)
+    assert (got["tpot_p50"], got["tpot_p95"]) == (0.5, 0.75)  # 1.5 s / 2 tokens, 0.25 s / 1
 
 
 def test_requests_per_concurrency_follow_the_issue():

@@ -166,9 +166,8 @@ def test_float16_parameters_where_exact_and_the_same_bits_as_float32():
     assert layer.scales.dtype == layer.offsets.dtype == torch.float16
     x = torch.randn(5, 96, generator=g)
     y = torch.empty(5, 48)
-    torch.ops.tandem_cpu.linear_out(
-        x, layer.codes, layer.scales.float(), layer.offsets.float(), 4, None, y
-    )
+    weights = [layer.codes, layer.scales.float(), layer.offsets.float()]
+    torch.ops.tandem_cpu.linear_out(x, weights, [4], [48], None, y)
     assert torch.equal(layer(x), y) and torch.equal(y, reference_matmul(x, narrow, "tandem"))
 
 

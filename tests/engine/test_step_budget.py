@@ -99,7 +99,7 @@ def test_max_step_ms_refuses_bad_values(value):
 
 @pytest.mark.parametrize(
     ("flags", "want"),
-    [([], 300.0), (["--max-step-ms", "150"], 150.0), (["--max-step-ms", "0"], None)],
+    [([], 100.0), (["--max-step-ms", "150"], 150.0), (["--max-step-ms", "0"], None)],
 )
 def test_the_server_budgets_steps_by_default(flags, want):
     """`tandem serve` bounds step time unless told not to; the Python API's default is off."""
