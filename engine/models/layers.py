@@ -37,6 +37,7 @@ from engine.models.quantized import (
     QuantizedEmbedding,
     QuantizedLinear,
     QuantizedWeight,
+    segment_operands,
 )
 
 if TYPE_CHECKING:
@@ -503,9 +504,7 @@ def layer_call(linears, dense: bool = True) -> tuple | None:
     if on_tandem_kernel(linears):
         if formats[2].bias is not None:
             return None
-        segments = [s for f in formats for s in f.segments]
-        weights = [t for s in segments for t in (s.codes, s.scales, s.offsets)]
-        bits, rows = [s.bits for s in segments], [s.rows for s in segments]
+        weights, bits, rows = segment_operands([s for f in formats for s in f.segments])
         parts = [len(f.segments) for f in formats]
         return torch.ops.tandem_cpu.fused_layer, (weights, bits, rows, parts, formats[0].bias)
     operands = [getattr(f, "layer_operands", lambda: None)() for f in formats]

@@ -394,6 +394,13 @@ class Segment(NamedTuple):
     rows: int
 
 
+def segment_operands(segments: list[Segment]) -> tuple[list[torch.Tensor], list[int], list[int]]:
+    """The quantized kernels' operands for segments side by side: (codes, scales, offsets) of
+    each, then each one's code width and rows."""
+    weights = [t for s in segments for t in (s.codes, s.scales, s.offsets)]
+    return weights, [s.bits for s in segments], [s.rows for s in segments]
+
+
 class QuantizedLinear(nn.Module):
     """y = x W^T + b over a QuantizedWeight (or QuantizedRows: segments side by side), on the
     backend `choose_backend` picks (a weight format of engine.models.layers.Linear; its
@@ -415,6 +422,7 @@ class QuantizedLinear(nn.Module):
         self.segments: list[Segment] = []  # the tandem kernel's, in output order
         if self.backend == "tandem":
             self.segments = [Segment(*_pack_tandem(p), p.bits, p.out_features) for p in parts]
+            self._operands = segment_operands(self.segments)  # linear_out's lists
         elif self.backend == "int4pack":
             one = weight.merged() if isinstance(weight, QuantizedRows) else weight
             codes, scales, zeros = one.affine().halves()
@@ -446,11 +454,8 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [M, K] -> [M, N] in x's dtype
         if self.backend == "tandem":
             y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-            weights = [t for s in self.segments for t in s[:3]]  # codes, scales, offsets each
-            bits, rows = [s.bits for s in self.segments], [s.rows for s in self.segments]
-            torch.ops.tandem_cpu.linear_out(
-                x.float().contiguous(), weights, bits, rows, self.bias, y
-            )
+            xf = x.float().contiguous()
+            torch.ops.tandem_cpu.linear_out(xf, *self._operands, self.bias, y)
             return y.to(x.dtype)
         if self.backend == "int4pack":
             xb = x.bfloat16()
