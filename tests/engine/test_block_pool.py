@@ -96,16 +96,39 @@ def test_double_free_raises_under_python_O():
     ], out.stderr
 
 
-def test_free_queue_is_lru_and_a_request_tail_goes_first():
+def test_cached_free_blocks_are_lru_and_a_request_tail_goes_first():
     pool = BlockPool(8)
     first = pool.allocate(3)
     second = pool.allocate(3)
     assert first == [1, 2, 3] and second == [4, 5, 6]
+    parent = None
+    for block in first + second:
+        parent = hash_block(parent, [block] * 4)
+        pool.cache_block(block, parent)
     pool.free(first)
     pool.free(second)
     # The never-used block 7 first, then each request tail-first, in the order freed.
     assert list(pool.free_queue) == [7, 3, 2, 1, 6, 5, 4]
     assert pool.allocate(7) == [7, 3, 2, 1, 6, 5, 4]
+
+
+def test_uncached_free_blocks_are_reused_before_never_used_ones():
+    # Blocks that hold no cached prefix (prefix caching off, a request's partial tail) go to
+    # the front, most recently freed first: their pages are already resident, a never-used
+    # block's are faulted in and zeroed on its first write. Cached ones keep their LRU place.
+    pool = BlockPool(8, enable_caching=True)
+    a, b, c = pool.allocate(3)
+    pool.cache_block(a, hash_block(None, [1, 2, 3, 4]))
+    pool.free([a, b])  # a cached, b not
+    assert list(pool.free_queue) == [b, 4, 5, 6, 7, a]
+    pool.free([c])
+    assert pool.allocate(3) == [c, b, 4]
+    assert pool.lookup(hash_block(None, [1, 2, 3, 4])) == a and pool.num_evictions == 0
+    off = BlockPool(6, enable_caching=False)  # nothing is ever cached: a stack of freed blocks
+    first = off.allocate(2)
+    off.free(first)
+    second = off.allocate(2)
+    assert second == first and off.allocate(3) == [3, 4, 5]
 
 
 def test_cached_block_reused_until_evicted():

@@ -207,14 +207,17 @@ def test_cache_salt_isolates(model_dir):
 def test_lru_evicts_least_recently_freed_prefix(model_dir, reuse_a):
     # 6 usable blocks: each 33-token prompt holds 3 (2 full, cached) while it runs.
     llm = LLM(model_dir, num_kv_blocks=7, block_size=BS)
-    a, b, c = (tokens(2 * BS + 1, seed=s) for s in (5, 6, 7))
+    a, b = (tokens(2 * BS + 1, seed=s) for s in (5, 6))
+    c = tokens(3 * BS + 1, seed=7)
     run(llm, a, ONE_TOKEN)
     run(llm, b, ONE_TOKEN)
     if reuse_a:  # a hit makes A the most recently freed prefix
         _, hit = run(llm, a, ONE_TOKEN)
         assert hit == 2 * BS
     assert cached_blocks(llm, a) == cached_blocks(llm, b) == [True, True]
-    run(llm, c, ONE_TOKEN)  # needs 3 blocks: evicts the older prefix, all of it
+    # C needs 4 blocks: the 2 that hold nothing cached go first (a freed partial block and
+    # one never used), then eviction takes the older prefix, all of it
+    run(llm, c, ONE_TOKEN)
     older, newer = (b, a) if reuse_a else (a, b)
     assert cached_blocks(llm, older) == [False, False]
     assert cached_blocks(llm, newer) == [True, True]
