@@ -51,10 +51,54 @@ def decoding_and_a_long_prompt(budget: StepBudget | None) -> Scheduler:
 
 
 def test_prompt_chunks_shrink_beside_decodes_to_fit_the_step():
-    sched = decoding_and_a_long_prompt(fitted_budget(20.0))
-    # (20 - 2) ms / 0.5 ms = 36 tokens a step: 3 decodes and 33 of the prompt.
+    sched = decoding_and_a_long_prompt(fitted_budget(20.2))
+    # (20.2 - 2) ms / 0.5 ms = 36.4: 36 tokens a step, 3 decodes and 33 of the prompt (the
+    # fit is exact here, so its residuals and margin are ~0).
     assert run_step(sched) == {"d0": 1, "d1": 1, "d2": 1, "long": 33}
     assert run_step(sched) == {"d0": 1, "d1": 1, "d2": 1, "long": 33}
+
+
+def noisy_budget(max_step_ms: float, jitter_ms: float, bias_ms: float = 0.0) -> StepBudget:
+    """A budget whose steps cost 2 ms + 0.5 ms per token + bias, give or take jitter (signs
+    alternating, fixed: the same every run)."""
+    budget = StepBudget(max_step_ms, min_chunk=BLOCK)
+    for i in range(60):
+        tokens = (8, 40, 100)[i % 3]
+        noise = (bias_ms + (jitter_ms if i % 2 else -jitter_ms)) / 1000
+        budget.observe(tokens, 0.002 + 0.0005 * tokens + noise)
+    return budget
+
+
+def test_steps_are_planned_below_the_budget_by_the_residuals_spread():
+    # Steps 2 ms off the fit either way: the margin is about twice their spread plus the fit's
+    # own error (~4.7 ms), so a 30.2 ms budget plans ~(30.2 - 4.7 - 2) / 0.5 - 3 = 43 prompt
+    # tokens a step, not the mean fit's 53.
+    budget = noisy_budget(30.2, jitter_ms=2.0)
+    assert 0.004 <= budget.cost.margin <= 0.0055
+    sched = decoding_and_a_long_prompt(budget)
+    room = 0.0302 - budget.cost.margin - budget.cost.fixed
+    want = int(room / budget.cost.per_row) - 3
+    assert 40 <= want <= 45
+    assert run_step(sched) == {"d0": 1, "d1": 1, "d2": 1, "long": want}
+    # Without the jitter the same budget plans the mean fit's whole room: the margin is what
+    # shrank the chunk above.
+    exact = decoding_and_a_long_prompt(noisy_budget(30.2, jitter_ms=0.0))
+    assert run_step(exact) == {"d0": 1, "d1": 1, "d2": 1, "long": 53}
+
+
+def test_a_fit_that_underestimates_steps_plans_below_it():
+    # Every step 3 ms over what the fit of the earlier ones predicted (a cost that moved): the
+    # residuals' mean enters the margin, so at least 6 tokens (3 ms) fewer than the 53 before.
+    budget = noisy_budget(30.2, jitter_ms=0.0)
+    for _ in range(40):
+        budget.observe(40, budget.cost(40) + 0.003)
+    assert budget.cost.margin >= 0.003
+    assert budget.prompt_tokens(3, 256) <= 53 - 6
+    # A margin never takes more than half the budget: jitter of 20 ms gives ~48 ms, capped.
+    starved = noisy_budget(30.2, jitter_ms=20.0)
+    assert starved.cost.margin > 0.0302
+    room = 0.0151 - starved.cost.fixed
+    assert starved.prompt_tokens(3, 256) == int(room / starved.cost.per_row) - 3 > BLOCK
 
 
 def test_without_a_budget_the_prompt_takes_the_token_budget():
