@@ -73,12 +73,15 @@ def engine_run(
     sampled=False,
     overlap=True,
     outputs: dict | None = None,
+    speculation: dict | None = None,
     **config,
 ):
     """(seconds, output tokens, decode-only seconds, decode steps) for one engine run;
     eager: no CUDA graphs; sampled: temperature 0.8, top-p 0.95 instead of greedy; overlap:
     async scheduling (the default on CUDA; set here so that --smoke runs it on CPU too);
-    outputs: filled with each request's token ids; config: more EngineConfig fields."""
+    outputs: filled with each request's token ids; speculation: filled with the snapshot's
+    speculation view after the timed run (counts include the warm-up's); config: more
+    EngineConfig fields."""
     from engine import LLM, SamplingParams
 
     llm = LLM(
@@ -123,6 +126,8 @@ def engine_run(
             outputs.update({o.request_id: o.outputs[0].token_ids for o in outs if o.finished})
     sync()
     seconds = time.perf_counter() - t0
+    if speculation is not None:
+        speculation.update(engine.snapshot()["speculation"])
     del llm, engine
     free_cached()
     return seconds, tokens, decode_s, decode_steps
@@ -240,16 +245,23 @@ def bench_spec(model_dir: Path, name: str) -> dict:
         plain: dict = {}
         spec: dict = {}
         p_s, p_tok, _, _ = engine_run(model_dir, prompts, new, b, outputs=plain, dtype="float32")
+        view: dict = {}
         s_s, s_tok, _, _ = engine_run(
-            model_dir, prompts, new, b, outputs=spec, dtype="float32", speculative_method="ngram"
-        )
+            model_dir, prompts, new, b, outputs=spec, speculation=view, dtype="float32",
+            speculative_method="ngram",
+        )  # fmt: skip
         equal = plain == spec
         out[b] = {"plain_tok_s": p_tok / p_s, "ngram_tok_s": s_tok / s_s, "equal": equal}
         out[b]["x_plain"] = out[b]["ngram_tok_s"] / out[b]["plain_tok_s"]
+        out[b]["speculation"] = view
         print(
             f"spec {name} batch {b}: n-gram {out[b]['ngram_tok_s']:.0f} tok/s, plain "
             f"{out[b]['plain_tok_s']:.0f}: {out[b]['x_plain']:.2f}x, outputs equal: {equal}"
         )
+        # why: how many drafts the planner asked for, how many held, what it thinks steps cost
+        seen = {k: view.get(k) for k in ("num_drafts", "num_accepted", "num_steps", "acceptance_rate")}
+        print(f"  drafts {seen}, verify {view.get('verify_seconds', 0):.2f} s, "
+              f"planner {view.get('adaptive')}")  # fmt: skip
     return out
 
 
