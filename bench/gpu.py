@@ -259,7 +259,8 @@ def bench_spec(model_dir: Path, name: str) -> dict:
             f"{out[b]['plain_tok_s']:.0f}: {out[b]['x_plain']:.2f}x, outputs equal: {equal}"
         )
         # why: how many drafts the planner asked for, how many held, what it thinks steps cost
-        seen = {k: view.get(k) for k in ("num_drafts", "num_accepted", "num_steps", "acceptance_rate")}
+        keys = ("num_drafts", "num_accepted", "num_steps", "acceptance_rate")
+        seen = {k: view.get(k) for k in keys}
         print(f"  drafts {seen}, verify {view.get('verify_seconds', 0):.2f} s, "
               f"planner {view.get('adaptive')}")  # fmt: skip
     return out
