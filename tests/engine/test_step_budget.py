@@ -58,13 +58,13 @@ def test_prompt_chunks_shrink_beside_decodes_to_fit_the_step():
     assert run_step(sched) == {"d0": 1, "d1": 1, "d2": 1, "long": 33}
 
 
-def noisy_budget(max_step_ms: float, jitter_ms: float, bias_ms: float = 0.0) -> StepBudget:
-    """A budget whose steps cost 2 ms + 0.5 ms per token + bias, give or take jitter (signs
+def noisy_budget(max_step_ms: float, jitter_ms: float) -> StepBudget:
+    """A budget whose steps cost 2 ms + 0.5 ms per token, give or take jitter (signs
     alternating, fixed: the same every run)."""
     budget = StepBudget(max_step_ms, min_chunk=BLOCK)
     for i in range(60):
         tokens = (8, 40, 100)[i % 3]
-        noise = (bias_ms + (jitter_ms if i % 2 else -jitter_ms)) / 1000
+        noise = (jitter_ms if i % 2 else -jitter_ms) / 1000
         budget.observe(tokens, 0.002 + 0.0005 * tokens + noise)
     return budget
 
